@@ -1,0 +1,667 @@
+#pragma once
+/// \file cache.hpp
+/// \brief kvpack::KVCache<Layout, Quantizer, Evictor, Selector>: a paged, compressed KV cache
+///        with decode attention that reads the compressed pages directly.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include "kvpack/cache_config.hpp"
+#include "kvpack/core/half.hpp"
+#include "kvpack/evict/evict_concepts.hpp"
+#include "kvpack/evict/keep_all.hpp"
+#include "kvpack/kernels/attend_stream.hpp"
+#include "kvpack/layout/layout_concepts.hpp"
+#include "kvpack/paging/page_pool.hpp"
+#include "kvpack/quant/quant_concepts.hpp"
+#include "kvpack/select/dense.hpp"
+#include "kvpack/select/select_concepts.hpp"
+
+namespace kvpack::inline v0 {
+
+/// An element type `prefill`, `append` and `attend` accept: float, kvpack::half,
+/// kvpack::bfloat16, or a caller's own type convertible to float.
+template <class T>
+concept InputElement = std::is_convertible_v<T, float>;
+
+/// The KV cache of one model: many sequences, each a stream per (layer, KV stream) of pages
+/// plus a full-precision tail. See DESIGN.md §2–§3.
+///
+/// Threads: one sequence is mutated by one thread at a time; different sequences may be written
+/// and read from different threads concurrently; `memory()` may be called from any thread.
+/// Every call that throws leaves the cache as it was (the strong guarantee).
+///
+/// \tparam Layout    layout::GQA — how tokens map to KV streams
+/// \tparam Quantizer quant::Float<T>, quant::FP8<F>, quant::Int8, quant::Q8_0, quant::Q4_0, ...
+/// \tparam Evictor   evict::KeepAll
+/// \tparam Selector  select::DenseRead
+template <layout::Layout Layout, quant::Quantizer Quantizer, evict::Evictor Evictor = evict::KeepAll,
+          select::PageSelector Selector = select::DenseRead>
+class KVCache {
+  using KeyCodec = typename Quantizer::key_codec;
+  using ValueCodec = typename Quantizer::value_codec;
+  using KeyParams = typename KeyCodec::params_type;
+  using ValueParams = typename ValueCodec::params_type;
+
+  static_assert(KeyCodec::kPlane == Plane::kKey,
+                "Quantizer::key_codec encodes the value plane: keys need a key-plane codec "
+                "(their byte layouts differ)");
+  static_assert(ValueCodec::kPlane == Plane::kValue,
+                "Quantizer::value_codec encodes the key plane: values need a value-plane codec");
+  static_assert(!(Evictor::kNeedsScores && !Selector::kReadsAllPages),
+                "an Evictor that ranks tokens by attention scores cannot be combined with a "
+                "Selector that skips pages: tokens on unread pages would never be scored");
+  static_assert(!Evictor::kDropsTokens,
+                "this KVCache does not apply token-dropping evictors yet; use evict::KeepAll");
+  static_assert(Selector::kReadsAllPages,
+                "this KVCache does not apply page selection yet; use select::DenseRead");
+
+ public:
+  using layout_type = Layout;
+  using quantizer_type = Quantizer;
+  using evictor_type = Evictor;
+  using selector_type = Selector;
+
+  /// \throws kvpack::Error when the shape, the config or the codecs' options do not fit together
+  ///         (e.g. q4_0 with a head_dim that is not a multiple of 32).
+  explicit KVCache(const ModelShape& shape, CacheConfig config = {}, Quantizer quantizer = {},
+                   Layout layout = {}, Evictor evictor = {}, Selector selector = {})
+      : shape_(shape),
+        config_(std::move(config)),
+        quantizer_(std::move(quantizer)),
+        layout_(layout),
+        evictor_(std::move(evictor)),
+        selector_(std::move(selector)),
+        streams_(validated_streams(layout_, shape_)),
+        key_dim_(layout_.key_dim(shape_)),
+        value_dim_(layout_.value_dim(shape_)),
+        pool_(page_format(), config_.max_pages) {
+    for (index_t h = 0; h < shape_.q_heads; ++h) {
+      KVPACK_CHECK(layout_.stream_of_query_head(shape_, h) == h / shape_.group_size(), kInvalidConfig,
+                   detail::message("layout ", Layout::kName, " maps query head ", h,
+                                   " outside its contiguous group; KVCache needs contiguous groups"));
+    }
+    quantizer_.key.validate(key_geometry());
+    quantizer_.value.validate(value_geometry());
+    KVPACK_CHECK(key_dim_ == value_dim_, kUnsupported,
+                 "KVCache's attention kernels need key and value rows of the same width");
+    key_params_.reserve(static_cast<std::size_t>(shape_.layers) * streams_);
+    value_params_.reserve(key_params_.capacity());
+    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+      for (index_t s = 0; s < streams_; ++s) {
+        key_params_.push_back(quantizer_.key.initial_params(layer, s));
+        value_params_.push_back(quantizer_.value.initial_params(layer, s));
+      }
+    }
+    // shape_ was validated: layers > 0 (max() tells the compiler so).
+    calibrated_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(std::max<index_t>(shape_.layers, 1)));
+  }
+
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+  ~KVCache() {
+    for (auto& [id, sequence] : sequences_) release_pages(*sequence);
+  }
+
+  [[nodiscard]] const ModelShape& shape() const noexcept { return shape_; }
+  [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
+  [[nodiscard]] const Quantizer& quantizer() const noexcept { return quantizer_; }
+  [[nodiscard]] index_t streams_per_layer() const noexcept { return streams_; }
+
+  /// Starts an empty sequence.
+  [[nodiscard]] SeqId add_sequence() {
+    auto sequence = std::make_unique<Sequence>(shape_.layers);
+    std::unique_lock lock(sequences_mutex_);
+    const SeqId id = next_id_++;
+    sequences_.emplace(id, std::move(sequence));
+    return id;
+  }
+
+  /// Appends the prompt's keys and values for one layer, at positions following the layer's last
+  /// one (0 for an empty layer); call again to prefill in chunks.
+  /// \param keys   [T][kv_heads][head_dim], T > 0
+  /// \param values [T][kv_heads][head_dim]
+  /// \param observation_queries [W][q_heads][head_dim], the last W prompt queries, for evictors
+  ///        that rank tokens by attention (SnapKV); checked, unused by evict::KeepAll
+  template <InputElement T>
+  void prefill(SeqId seq, index_t layer, std::span<const T> keys, std::span<const T> values,
+               std::span<const T> observation_queries = {}) {
+    Sequence& sequence = find(seq, "prefill");
+    check_layer(layer, "prefill");
+    const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
+    const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
+    KVPACK_CHECK(!keys.empty() && keys.size() % key_row == 0, kInvalidArgument,
+                 detail::message("prefill: keys must hold T > 0 rows of kv_heads * head_dim = ", key_row,
+                                 " elements, got ", keys.size()));
+    const std::size_t tokens = keys.size() / key_row;
+    KVPACK_CHECK(values.size() == tokens * value_row, kInvalidArgument,
+                 detail::message("prefill: values must hold ", tokens * value_row, " elements (",
+                                 tokens, " tokens), got ", values.size()));
+    const std::size_t query_row = static_cast<std::size_t>(shape_.q_heads) * shape_.head_dim;
+    KVPACK_CHECK(observation_queries.size() % query_row == 0, kInvalidArgument,
+                 detail::message("prefill: observation_queries must hold rows of q_heads * head_dim = ",
+                                 query_row, " elements, got ", observation_queries.size()));
+    LayerState& state = sequence.layers[layer];
+    const std::int64_t first = state.last_position + 1;
+    KVPACK_CHECK(first + static_cast<std::int64_t>(tokens) - 1 <= std::numeric_limits<std::int32_t>::max(),
+                 kOutOfRange, "prefill: positions would exceed the int32 range pages store");
+    if (config_.check_inputs && !observation_queries.empty()) {
+      check_values(as_floats(observation_queries, 2), std::numeric_limits<float>::max(), "prefill",
+                   "observation_queries");
+    }
+    write_tokens(state, layer, as_floats(keys, 0), as_floats(values, 1),
+                 static_cast<index_t>(tokens), static_cast<std::int32_t>(first), "prefill");
+  }
+
+  /// Appends one decoded token's key and value for one layer.
+  /// \param key   [kv_heads][head_dim]
+  /// \param value [kv_heads][head_dim]
+  /// \param position its position, greater than every position already in this layer
+  template <InputElement T>
+  void append(SeqId seq, index_t layer, std::span<const T> key, std::span<const T> value,
+              std::int64_t position) {
+    Sequence& sequence = find(seq, "append");
+    check_layer(layer, "append");
+    const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
+    const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
+    KVPACK_CHECK(key.size() == key_row && value.size() == value_row, kInvalidArgument,
+                 detail::message("append: key and value must hold kv_heads * head_dim = ", key_row,
+                                 " elements, got ", key.size(), " and ", value.size()));
+    LayerState& state = sequence.layers[layer];
+    KVPACK_CHECK(position > state.last_position && position <= std::numeric_limits<std::int32_t>::max(),
+                 kInvalidArgument,
+                 detail::message("append: position ", position, " must be greater than the layer's last (",
+                                 state.last_position, ") and fit in int32"));
+    write_tokens(state, layer, as_floats(key, 0), as_floats(value, 1), 1,
+                 static_cast<std::int32_t>(position), "append");
+  }
+
+  /// Decode attention for one layer: out[h] = softmax(scale · q[h] · Kᵀ) V over every token of
+  /// the layer, read from the encoded pages directly.
+  /// \param query [q_heads][head_dim]
+  /// \param out   [q_heads][head_dim]
+  template <InputElement T>
+  void attend(SeqId seq, index_t layer, std::span<const T> query, std::span<float> out,
+              float scale) const {
+    const Sequence& sequence = find(seq, "attend");
+    check_layer(layer, "attend");
+    const std::size_t row = static_cast<std::size_t>(shape_.q_heads) * shape_.head_dim;
+    KVPACK_CHECK(query.size() == row && out.size() == row, kInvalidArgument,
+                 detail::message("attend: query and out must hold q_heads * head_dim = ", row,
+                                 " elements, got ", query.size(), " and ", out.size()));
+    KVPACK_CHECK(std::isfinite(scale), kInvalidArgument, detail::message("attend: scale ", scale, " is not finite"));
+    const LayerState& state = sequence.layers[layer];
+    KVPACK_CHECK(state.tokens > 0, kInvalidArgument,
+                 detail::message("attend: layer ", layer, " of sequence ", seq, " holds no tokens"));
+    const std::span<const float> q = as_floats(query, 0);
+    if (config_.check_inputs) check_values(q, std::numeric_limits<float>::max(), "attend", "query");
+
+    const index_t group = shape_.group_size();
+    auto attend_stream = [&](index_t s) {
+      thread_local kernels::Workspace workspace;
+      thread_local std::vector<float> scaled_queries;
+      thread_local std::vector<const std::byte*> page_pointers;
+      const std::vector<PageId>& table = state.tables[s];
+      page_pointers.resize(table.size());
+      for (std::size_t i = 0; i < table.size(); ++i) page_pointers[i] = pool_.payload(table[i]);
+      scaled_queries.resize(static_cast<std::size_t>(group) * key_dim_);
+      for (std::size_t i = 0; i < scaled_queries.size(); ++i) {
+        scaled_queries[i] = q[static_cast<std::size_t>(s) * group * key_dim_ + i] * scale;
+      }
+      workspace.prepare(group, key_dim_, config_.page_size, state.tail_count);
+      const kernels::PageRun run{page_pointers.data(), nullptr, static_cast<index_t>(table.size()), 0,
+                                 config_.page_size, key_dim_, value_plane_offset(),
+                                 pool_.format().payload_bytes};
+      const std::size_t tail_offset = static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
+      const kernels::TailView tail{state.tail_keys.data() + tail_offset,
+                                   state.tail_values.data() + tail_offset, state.tail_count};
+      const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+      kernels::attend_stream<KeyCodec, ValueCodec>(run, key_params_[p], value_params_[p], tail,
+                                                   scaled_queries.data(), group,
+                                                   out.data() + static_cast<std::size_t>(s) * group * value_dim_,
+                                                   workspace);
+    };
+    if (config_.executor && streams_ > 1) {
+      config_.executor(streams_, attend_stream);
+    } else {
+      for (index_t s = 0; s < streams_; ++s) attend_stream(s);
+    }
+  }
+
+  /// A new sequence sharing every page of `seq` (copy-on-write: pages are immutable once encoded,
+  /// the tails are copied).
+  [[nodiscard]] SeqId fork(SeqId seq) {
+    const Sequence& source = find(seq, "fork");
+    auto copy = std::make_unique<Sequence>(source);  // may throw bad_alloc: nothing changed yet
+    for (const LayerState& state : copy->layers) {
+      for (const auto& table : state.tables) {
+        for (PageId page : table) pool_.retain(page);
+      }
+    }
+    account(*copy, +1);
+    std::unique_lock lock(sequences_mutex_);
+    const SeqId id = next_id_++;
+    sequences_.emplace(id, std::move(copy));
+    return id;
+  }
+
+  /// Drops a sequence; its pages go back to the pool when no fork shares them.
+  void release(SeqId seq) {
+    std::unique_ptr<Sequence> sequence;
+    {
+      std::unique_lock lock(sequences_mutex_);
+      const auto it = sequences_.find(seq);
+      KVPACK_CHECK(it != sequences_.end(), kUnknownSequence,
+                   detail::message("release: sequence ", seq, " is unknown or already released"));
+      sequence = std::move(it->second);
+      sequences_.erase(it);
+    }
+    account(*sequence, -1);
+    release_pages(*sequence);
+  }
+
+  /// Tokens stored in one layer of a sequence.
+  [[nodiscard]] index_t length(SeqId seq, index_t layer) const {
+    const Sequence& sequence = find(seq, "length");
+    check_layer(layer, "length");
+    return sequence.layers[layer].tokens;
+  }
+
+  /// Sequences alive.
+  [[nodiscard]] std::size_t sequence_count() const {
+    std::shared_lock lock(sequences_mutex_);
+    return sequences_.size();
+  }
+
+  /// Exact bytes held, by kind (see MemoryUsage).
+  [[nodiscard]] MemoryUsage memory() const noexcept {
+    MemoryUsage usage;
+    usage.pages_in_use = pool_.pages_in_use();
+    usage.page_payload = usage.pages_in_use * pool_.format().payload_bytes;
+    usage.page_metadata = usage.pages_in_use * pool_.format().metadata_bytes;
+    usage.tails = tail_bytes_.load(std::memory_order_relaxed);
+    usage.tables = table_bytes_.load(std::memory_order_relaxed);
+    usage.codec_params = codec_param_bytes();
+    usage.stored_elements = stored_elements_.load(std::memory_order_relaxed);
+    return usage;
+  }
+
+  /// The pool's page format: payload bytes (K plane at 0, V plane at value_plane_offset()) and
+  /// metadata bytes per page.
+  [[nodiscard]] const paging::PageFormat& page_format_info() const noexcept { return pool_.format(); }
+  [[nodiscard]] std::size_t value_plane_offset() const noexcept {
+    return round_up(quantizer_.key.plane_bytes(key_geometry()), 64);
+  }
+  /// The codec parameters of (layer, stream), e.g. calibrated FP8 scales.
+  [[nodiscard]] std::pair<KeyParams, ValueParams> codec_params(index_t layer, index_t stream) const {
+    check_layer(layer, "codec_params");
+    KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
+                 detail::message("codec_params: stream ", stream, " out of range"));
+    const std::size_t p = static_cast<std::size_t>(layer) * streams_ + stream;
+    return {key_params_[p], value_params_[p]};
+  }
+
+  /// Read access for tests, tools and serialisers: the page ids of (sequence, layer, stream), in
+  /// token order, and the pool holding them.
+  [[nodiscard]] std::span<const PageId> pages(SeqId seq, index_t layer, index_t stream) const {
+    const Sequence& sequence = find(seq, "pages");
+    check_layer(layer, "pages");
+    KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
+                 detail::message("pages: stream ", stream, " out of range"));
+    return sequence.layers[layer].tables[stream];
+  }
+  [[nodiscard]] const paging::PagePool& pool() const noexcept { return pool_; }
+
+ private:
+  /// One layer of one sequence.
+  struct LayerState {
+    std::vector<std::vector<PageId>> tables;  ///< [streams] block tables, token order
+    std::vector<float> tail_keys;             ///< [streams][tail_capacity][key_dim]
+    std::vector<float> tail_values;           ///< [streams][tail_capacity][value_dim]
+    std::vector<std::int32_t> tail_positions;  ///< [tail_capacity]
+    index_t tail_count = 0;
+    index_t tokens = 0;
+    std::int64_t last_position = -1;
+  };
+  struct Sequence {
+    explicit Sequence(index_t layers) : layers(static_cast<std::size_t>(layers)) {}
+    std::vector<LayerState> layers;
+  };
+
+  static constexpr std::size_t round_up(std::size_t n, std::size_t multiple) noexcept {
+    return (n + multiple - 1) / multiple * multiple;
+  }
+
+  static index_t validated_streams(const Layout& layout, const ModelShape& shape) {
+    layout.validate(shape);
+    return layout.streams(shape);
+  }
+
+  [[nodiscard]] quant::PageGeometry key_geometry() const noexcept { return {config_.page_size, key_dim_}; }
+  [[nodiscard]] quant::PageGeometry value_geometry() const noexcept { return {config_.page_size, value_dim_}; }
+  [[nodiscard]] index_t tail_capacity() const noexcept { return config_.tail_tokens + config_.page_size; }
+  [[nodiscard]] std::size_t live_mask_words() const noexcept {
+    return static_cast<std::size_t>(config_.page_size + 63) / 64;
+  }
+
+  [[nodiscard]] paging::PageFormat page_format() const {
+    config_.validate();
+    quantizer_.key.validate(key_geometry());
+    quantizer_.value.validate(value_geometry());
+    paging::PageFormat format;
+    format.payload_bytes = round_up(value_plane_offset() + quantizer_.value.plane_bytes(value_geometry()), 64);
+    format.metadata_bytes =
+        round_up(static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t) +
+                     live_mask_words() * sizeof(std::uint64_t) +
+                     selector_.summary_bytes(config_.page_size, key_dim_),
+                 8);
+    return format;
+  }
+
+  [[nodiscard]] std::size_t codec_param_bytes() const noexcept {
+    const std::size_t per_stream = (std::is_empty_v<KeyParams> ? 0 : sizeof(KeyParams)) +
+                                   (std::is_empty_v<ValueParams> ? 0 : sizeof(ValueParams));
+    return per_stream * key_params_.size();
+  }
+
+  Sequence& find(SeqId seq, const char* call) const {
+    std::shared_lock lock(sequences_mutex_);
+    const auto it = sequences_.find(seq);
+    KVPACK_CHECK(it != sequences_.end(), kUnknownSequence,
+                 detail::message(call, ": sequence ", seq, " is unknown or was released"));
+    return *it->second;
+  }
+
+  void check_layer(index_t layer, const char* call) const {
+    KVPACK_CHECK(layer >= 0 && layer < shape_.layers, kInvalidArgument,
+                 detail::message(call, ": layer ", layer, " out of range [0, ", shape_.layers, ")"));
+  }
+
+  /// Inputs as fp32: a view of float input, or a per-thread converted copy in slot `slot`.
+  template <InputElement T>
+  static std::span<const float> as_floats(std::span<const T> input, int slot) {
+    if constexpr (std::is_same_v<T, float>) {
+      return input;
+    } else {
+      thread_local std::vector<float> converted[3];
+      converted[slot].resize(input.size());
+      for (std::size_t i = 0; i < input.size(); ++i) converted[slot][i] = static_cast<float>(input[i]);
+      return converted[slot];
+    }
+  }
+
+  /// Throws kNonFinite for NaN/Inf and kOutOfRange beyond `max_abs`, naming the element.
+  static void check_values(std::span<const float> data, float max_abs, const char* call, const char* what) {
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      const float x = data[i];
+      KVPACK_CHECK(std::isfinite(x), kNonFinite,
+                   detail::message(call, ": ", what, "[", i, "] is ", std::isnan(x) ? "NaN" : "Inf",
+                                   " (set CacheConfig.check_inputs = false to skip this check)"));
+      KVPACK_CHECK(std::fabs(x) <= max_abs, kOutOfRange,
+                   detail::message(call, ": ", what, "[", i, "] = ", x, " exceeds what this codec stores (|x| <= ",
+                                   max_abs, ")"));
+    }
+  }
+
+  /// Parameters for a layer that still needs calibration, computed from every token written so
+  /// far (the tail and this call's input): the whole prompt when the first prefill fills a page.
+  struct Calibration {
+    bool needed = false;
+    std::vector<KeyParams> keys;
+    std::vector<ValueParams> values;
+  };
+
+  /// One parameter per stream from the absolute maxima of `row_of(s, i)`, i in [0, rows).
+  template <class Codec, class RowOf>
+  std::vector<typename Codec::params_type> calibrate_plane(const Codec& codec, index_t rows, index_t dim,
+                                                           RowOf row_of) const {
+    std::vector<typename Codec::params_type> params;
+    if constexpr (quant::CalibratedCodec<Codec>) {
+      if (!codec.calibrates()) return params;
+      std::vector<float> absmax(static_cast<std::size_t>(streams_), 0.0f);
+      for (index_t s = 0; s < streams_; ++s) {
+        for (index_t i = 0; i < rows; ++i) {
+          const float* row = row_of(s, i);
+          for (index_t c = 0; c < dim; ++c) absmax[s] = std::max(absmax[s], std::fabs(row[c]));
+        }
+      }
+      if (codec.granularity() == quant::ScaleGranularity::kPerTensor) {
+        std::fill(absmax.begin(), absmax.end(), *std::max_element(absmax.begin(), absmax.end()));
+      }
+      for (float m : absmax) params.push_back(codec.params_from_absmax(m));
+    }
+    return params;
+  }
+
+  /// Stores calibrated parameters once per layer; a concurrent first prefill of the same layer
+  /// from another sequence waits and then uses the winner's parameters.
+  void commit_calibration(index_t layer, const Calibration& plan) noexcept {
+    if (!plan.needed) return;
+    std::lock_guard lock(calibration_mutex_);
+    if (calibrated_[layer].load(std::memory_order_relaxed)) return;
+    for (index_t s = 0; s < streams_; ++s) {
+      const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+      if (!plan.keys.empty()) key_params_[p] = plan.keys[s];
+      if (!plan.values.empty()) value_params_[p] = plan.values[s];
+    }
+    calibrated_[layer].store(true, std::memory_order_release);
+  }
+
+  /// Appends `count` tokens (rows of [streams][dim]) at consecutive positions from `first`,
+  /// encoding every page the tail overflows into. All checks and allocations happen before the
+  /// first change, so a throw leaves the layer untouched.
+  void write_tokens(LayerState& state, index_t layer, std::span<const float> keys,
+                    std::span<const float> values, index_t count, std::int32_t first, const char* call) {
+    if (config_.check_inputs) {
+      check_values(keys, quantizer_.key.max_abs_input(), call, "keys");
+      check_values(values, quantizer_.value.max_abs_input(), call, "values");
+    }
+    const index_t page = config_.page_size;
+    const index_t total = state.tail_count + count;
+    const index_t new_pages = total >= config_.tail_tokens + page ? (total - config_.tail_tokens) / page : 0;
+
+    // Token i of the concatenation [tail rows..., new rows...] of stream s.
+    const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
+    const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
+    auto key_of = [&](index_t s, index_t i) -> const float* {
+      return i < state.tail_count
+                 ? state.tail_keys.data() + (static_cast<std::size_t>(s) * tail_capacity() + i) * key_dim_
+                 : keys.data() + static_cast<std::size_t>(i - state.tail_count) * key_row + s * key_dim_;
+    };
+    auto value_of = [&](index_t s, index_t i) -> const float* {
+      return i < state.tail_count
+                 ? state.tail_values.data() + (static_cast<std::size_t>(s) * tail_capacity() + i) * value_dim_
+                 : values.data() + static_cast<std::size_t>(i - state.tail_count) * value_row + s * value_dim_;
+    };
+    auto position_of = [&](index_t i) -> std::int32_t {
+      return i < state.tail_count ? state.tail_positions[i] : first + (i - state.tail_count);
+    };
+
+    Calibration calibration;
+    if (new_pages > 0 && (quant::CalibratedCodec<KeyCodec> || quant::CalibratedCodec<ValueCodec>) &&
+        !calibrated_[layer].load(std::memory_order_acquire)) {
+      calibration.needed = true;
+      calibration.keys = calibrate_plane(quantizer_.key, total, key_dim_, key_of);
+      calibration.values = calibrate_plane(quantizer_.value, total, value_dim_, value_of);
+    }
+
+    // 1. Everything that can fail: pages, then buffer growth (pages are returned if that throws).
+    std::vector<PageId> fresh(static_cast<std::size_t>(new_pages) * streams_);
+    pool_.allocate(fresh);
+    const bool first_write = state.tail_keys.empty();
+    std::size_t table_growth = 0;
+    thread_local std::vector<float> staging;
+    try {
+      staging.resize(static_cast<std::size_t>(page) * std::max(key_dim_, value_dim_));
+      if (first_write) {
+        state.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
+        state.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
+        state.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+        state.tables.resize(static_cast<std::size_t>(streams_));
+      }
+      for (auto& table : state.tables) {
+        const std::size_t before = table.capacity();
+        if (table.size() + new_pages > before) table.reserve(std::max(table.size() + new_pages, 2 * before));
+        table_growth += (table.capacity() - before) * sizeof(PageId);
+      }
+    } catch (...) {
+      for (PageId id : fresh) pool_.release(id);
+      throw;
+    }
+    // 2. No more throws from here on.
+    commit_calibration(layer, calibration);
+    if (first_write) {
+      tail_bytes_.fetch_add((state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
+                                state.tail_positions.capacity() * sizeof(std::int32_t),
+                            std::memory_order_relaxed);
+    }
+    table_bytes_.fetch_add(table_growth, std::memory_order_relaxed);
+
+    // 3. Encode full pages from the oldest tokens.
+    for (index_t p = 0; p < new_pages; ++p) {
+      const index_t begin = p * page;
+      for (index_t s = 0; s < streams_; ++s) {
+        const PageId id = fresh[static_cast<std::size_t>(p) * streams_ + s];
+        std::byte* payload = pool_.payload(id);
+        const std::size_t params = static_cast<std::size_t>(layer) * streams_ + s;
+        encode_plane(quantizer_.key, key_geometry(), key_dim_, key_row, state.tail_count, begin,
+                     [&](index_t i) { return key_of(s, i); }, key_params_[params], payload, staging);
+        encode_plane(quantizer_.value, value_geometry(), value_dim_, value_row, state.tail_count, begin,
+                     [&](index_t i) { return value_of(s, i); }, value_params_[params],
+                     payload + value_plane_offset(), staging);
+        write_slot_metadata(pool_.metadata(id), [&](index_t t) { return position_of(begin + t); });
+        state.tables[s].push_back(id);
+      }
+    }
+
+    // 4. The rest becomes the new tail: surviving old tail rows move down, new rows follow.
+    const index_t consumed = new_pages * page;
+    const index_t kept_old = std::max<index_t>(0, state.tail_count - consumed);
+    for (index_t s = 0; s < streams_; ++s) {
+      float* tail_k = state.tail_keys.data() + static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
+      float* tail_v = state.tail_values.data() + static_cast<std::size_t>(s) * tail_capacity() * value_dim_;
+      if (kept_old > 0 && consumed > 0) {
+        std::memmove(tail_k, tail_k + static_cast<std::size_t>(consumed) * key_dim_,
+                     static_cast<std::size_t>(kept_old) * key_dim_ * sizeof(float));
+        std::memmove(tail_v, tail_v + static_cast<std::size_t>(consumed) * value_dim_,
+                     static_cast<std::size_t>(kept_old) * value_dim_ * sizeof(float));
+      }
+      for (index_t i = std::max(consumed, state.tail_count); i < total; ++i) {
+        const index_t row = i - consumed;
+        std::memcpy(tail_k + static_cast<std::size_t>(row) * key_dim_, key_of(s, i), key_dim_ * sizeof(float));
+        std::memcpy(tail_v + static_cast<std::size_t>(row) * value_dim_, value_of(s, i), value_dim_ * sizeof(float));
+      }
+    }
+    if (kept_old > 0 && consumed > 0) {
+      std::memmove(state.tail_positions.data(), state.tail_positions.data() + consumed,
+                   static_cast<std::size_t>(kept_old) * sizeof(std::int32_t));
+    }
+    for (index_t i = std::max(consumed, state.tail_count); i < total; ++i) {
+      state.tail_positions[i - consumed] = position_of(i);
+    }
+    state.tail_count = total - consumed;
+    state.tokens += count;
+    state.last_position = static_cast<std::int64_t>(first) + count - 1;
+    stored_elements_.fetch_add(static_cast<std::size_t>(count) * streams_ * (key_dim_ + value_dim_),
+                               std::memory_order_relaxed);
+  }
+
+  /// Encodes tokens [begin, begin + page_size) of one stream into one plane. Rows that are all
+  /// new input are read in place (strided); a page that starts in the tail is staged first
+  /// (`staging` is already large enough: nothing here allocates).
+  template <class Codec, class RowOf>
+  static void encode_plane(const Codec& codec, quant::PageGeometry geometry, index_t dim, std::size_t input_row,
+                           index_t tail_count, index_t begin, RowOf row_of,
+                           const typename Codec::params_type& params, std::byte* plane,
+                           std::vector<float>& staging) {
+    if (begin >= tail_count) {
+      codec.encode(geometry, row_of(begin), static_cast<std::ptrdiff_t>(input_row), params, plane);
+      return;
+    }
+    for (index_t t = 0; t < geometry.page_size; ++t) {
+      std::memcpy(staging.data() + static_cast<std::size_t>(t) * dim, row_of(begin + t), dim * sizeof(float));
+    }
+    codec.encode(geometry, staging.data(), dim, params, plane);
+  }
+
+  /// Slot positions, then the live mask (every slot live).
+  template <class PositionOf>
+  void write_slot_metadata(std::byte* metadata, PositionOf position_of) const noexcept {
+    for (index_t t = 0; t < config_.page_size; ++t) {
+      const std::int32_t position = position_of(t);
+      std::memcpy(metadata + static_cast<std::size_t>(t) * sizeof(std::int32_t), &position, sizeof(position));
+    }
+    std::byte* mask = metadata + static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t);
+    for (std::size_t w = 0; w < live_mask_words(); ++w) {
+      const index_t bits = std::min<index_t>(64, config_.page_size - static_cast<index_t>(w) * 64);
+      const std::uint64_t word = bits == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
+      std::memcpy(mask + w * sizeof(word), &word, sizeof(word));
+    }
+  }
+
+  /// Adds (sign +1) or removes (-1) a sequence's tails, tables and elements from the counters.
+  void account(const Sequence& sequence, int sign) noexcept {
+    std::size_t tails = 0;
+    std::size_t tables = 0;
+    std::size_t elements = 0;
+    for (const LayerState& state : sequence.layers) {
+      tails += (state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
+               state.tail_positions.capacity() * sizeof(std::int32_t);
+      for (const auto& table : state.tables) tables += table.capacity() * sizeof(PageId);
+      elements += static_cast<std::size_t>(state.tokens) * streams_ * (key_dim_ + value_dim_);
+    }
+    if (sign > 0) {
+      tail_bytes_.fetch_add(tails, std::memory_order_relaxed);
+      table_bytes_.fetch_add(tables, std::memory_order_relaxed);
+      stored_elements_.fetch_add(elements, std::memory_order_relaxed);
+    } else {
+      tail_bytes_.fetch_sub(tails, std::memory_order_relaxed);
+      table_bytes_.fetch_sub(tables, std::memory_order_relaxed);
+      stored_elements_.fetch_sub(elements, std::memory_order_relaxed);
+    }
+  }
+
+  void release_pages(const Sequence& sequence) noexcept {
+    for (const LayerState& state : sequence.layers) {
+      for (const auto& table : state.tables) {
+        for (PageId page : table) pool_.release(page);
+      }
+    }
+  }
+
+  ModelShape shape_;
+  CacheConfig config_;
+  Quantizer quantizer_;
+  Layout layout_;
+  [[no_unique_address]] Evictor evictor_;
+  [[no_unique_address]] Selector selector_;
+  index_t streams_;
+  index_t key_dim_;
+  index_t value_dim_;
+  mutable paging::PagePool pool_;
+
+  std::vector<KeyParams> key_params_;      ///< [layers][streams]
+  std::vector<ValueParams> value_params_;  ///< [layers][streams]
+  std::unique_ptr<std::atomic<bool>[]> calibrated_;  ///< [layers]
+  std::mutex calibration_mutex_;
+
+  mutable std::shared_mutex sequences_mutex_;
+  std::unordered_map<SeqId, std::unique_ptr<Sequence>> sequences_;
+  SeqId next_id_ = 1;
+
+  std::atomic<std::size_t> tail_bytes_{0};
+  std::atomic<std::size_t> table_bytes_{0};
+  std::atomic<std::size_t> stored_elements_{0};
+};
+
+}  // namespace kvpack::inline v0

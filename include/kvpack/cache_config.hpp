@@ -1,0 +1,66 @@
+#pragma once
+/// \file cache_config.hpp
+/// \brief CacheConfig (how a KVCache pages and checks its data) and MemoryUsage (what it holds).
+
+#include <cstddef>
+#include <functional>
+
+#include "kvpack/core/types.hpp"
+#include "kvpack/paging/page_pool.hpp"
+
+namespace kvpack::inline v0 {
+
+/// A parallel-for: runs task(i) for every i in [0, count), possibly concurrently, and returns
+/// when all are done. `attend` hands it one task per KV stream. See kvpack::ThreadPool.
+using Executor = std::function<void(index_t count, const std::function<void(index_t)>& task)>;
+
+/// How a cache stores its pages and how strictly it checks its inputs.
+struct CacheConfig {
+  /// Token slots per page: a multiple of 16 (one AVX-512 vector of tokens) in [16, 256]
+  /// (integer kernels sum a page in int32, which 256 keeps exact).
+  index_t page_size = 32;
+  /// Newest tokens kept in full precision (fp32) before being encoded: a multiple of page_size,
+  /// 0 allowed. The tail also holds up to page_size - 1 tokens that do not yet fill a page.
+  index_t tail_tokens = 0;
+  /// The most pages the pool hands out at once; beyond it writes throw kvpack::OutOfPages.
+  std::size_t max_pages = paging::PagePool::kUnlimited;
+  /// Reject NaN/Inf (and magnitudes the codec cannot store) in keys, values and queries with
+  /// kvpack::Error. Engines that validate upstream may switch it off; results for such input
+  /// are then unspecified (memory-safe, but an integer codec cannot represent NaN).
+  bool check_inputs = true;
+  /// Spreads `attend` over KV streams; empty means serial.
+  Executor executor{};
+
+  void validate() const {
+    KVPACK_CHECK(page_size >= 16 && page_size <= 256 && page_size % 16 == 0, kInvalidConfig,
+                 detail::message("CacheConfig.page_size must be a multiple of 16 in [16, 256], got ",
+                                 page_size));
+    KVPACK_CHECK(tail_tokens >= 0 && tail_tokens % page_size == 0, kInvalidConfig,
+                 detail::message("CacheConfig.tail_tokens must be a non-negative multiple of "
+                                 "page_size (", page_size, "), got ", tail_tokens));
+    KVPACK_CHECK(max_pages > 0, kInvalidConfig, "CacheConfig.max_pages must be at least 1");
+  }
+};
+
+/// Exact bytes a cache holds, by kind. Shared pages (after fork) count once.
+struct MemoryUsage {
+  std::size_t page_payload = 0;   ///< encoded K and V planes of pages in use (codec metadata too)
+  std::size_t page_metadata = 0;  ///< per-slot positions, live masks, selector summaries
+  std::size_t tails = 0;          ///< full-precision tail buffers, as allocated
+  std::size_t tables = 0;         ///< block tables, as allocated
+  std::size_t codec_params = 0;   ///< per (layer, KV head) codec parameters (FP8 scales)
+  std::size_t pages_in_use = 0;
+  /// K and V elements held, summed over sequences, layers and streams (a forked sequence counts
+  /// its shared tokens again): the denominator of bits per element.
+  std::size_t stored_elements = 0;
+
+  [[nodiscard]] std::size_t total() const noexcept {
+    return page_payload + page_metadata + tails + tables + codec_params;
+  }
+  /// All bytes, metadata, tails and tables included, per stored element.
+  [[nodiscard]] double bits_per_element() const noexcept {
+    return stored_elements == 0 ? 0.0 : 8.0 * static_cast<double>(total()) / static_cast<double>(stored_elements);
+  }
+};
+
+}  // namespace kvpack::inline v0

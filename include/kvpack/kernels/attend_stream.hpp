@@ -1,0 +1,119 @@
+#pragma once
+/// \file attend_stream.hpp
+/// \brief Decode attention over one KV stream: pages in chunks (score, online softmax,
+///        accumulate), then the full-precision tail, for all query heads of the stream's group.
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <vector>
+
+#include "kvpack/dispatch.hpp"
+#include "kvpack/kernels/kernel_args.hpp"
+#include "kvpack/quant/float.hpp"
+#include "kvpack/quant/quant_concepts.hpp"
+
+namespace kvpack::inline v0::kernels {
+
+/// The full-precision tail of a stream: token-major fp32 rows of head_dim, oldest first.
+struct TailView {
+  const float* keys = nullptr;    ///< [count][head_dim]
+  const float* values = nullptr;  ///< [count][head_dim]
+  index_t count = 0;
+};
+
+/// Buffers for attend_stream, reused across calls: grows to the largest shape seen, never
+/// shrinks, so steady-state decoding allocates nothing.
+class Workspace {
+ public:
+  /// Tokens scored per chunk of pages: enough to amortise the per-chunk work (query preparation,
+  /// one softmax pass), few enough that a chunk's pages are still in L2 when values are read.
+  static constexpr index_t kChunkTokens = 512;
+
+  void prepare(index_t group, index_t head_dim, index_t page_size, index_t tail_tokens) {
+    score_stride_ = std::max({kChunkTokens, page_size, tail_tokens});
+    const std::size_t need = static_cast<std::size_t>(group) * score_stride_ +
+                             static_cast<std::size_t>(group) * (2 + head_dim) +
+                             scratch_floats(group, page_size, head_dim) + 64;
+    if (storage_.size() < need) storage_.resize(need);
+    float* p = storage_.data();
+    scores_ = p;
+    p += static_cast<std::size_t>(group) * score_stride_;
+    max_ = p;
+    sum_ = p + group;
+    acc_ = p + 2 * group;
+    p += static_cast<std::size_t>(group) * (2 + head_dim);
+    scratch_ = p;
+  }
+
+  [[nodiscard]] float* scores() const noexcept { return scores_; }
+  [[nodiscard]] index_t score_stride() const noexcept { return score_stride_; }
+  [[nodiscard]] float* running_max() const noexcept { return max_; }
+  [[nodiscard]] float* running_sum() const noexcept { return sum_; }
+  [[nodiscard]] float* acc() const noexcept { return acc_; }
+  [[nodiscard]] float* scratch() const noexcept { return scratch_; }
+
+ private:
+  std::vector<float> storage_;
+  float* scores_ = nullptr;
+  float* max_ = nullptr;
+  float* sum_ = nullptr;
+  float* acc_ = nullptr;
+  float* scratch_ = nullptr;
+  index_t score_stride_ = 0;
+};
+
+/// out[h] = softmax(q[h] · K) V over every live slot of `pages` (its `count` is the whole
+/// stream) and every row of `tail`. `queries` already carry the softmax scale. The workspace
+/// must have been prepared for (group, head_dim, page_size, tail.count).
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& key_params,
+                   const typename ValueCodec::params_type& value_params, const TailView& tail,
+                   const float* queries /*[group][head_dim]*/, index_t group,
+                   float* out /*[group][head_dim]*/, const Workspace& ws) noexcept {
+  const index_t head_dim = pages.head_dim;
+  std::fill_n(ws.running_max(), group, -std::numeric_limits<float>::infinity());
+  std::fill_n(ws.running_sum(), group, 0.0f);
+  std::fill_n(ws.acc(), static_cast<std::size_t>(group) * head_dim, 0.0f);
+
+  const auto score = dispatch::cpu_kernel<cpu::ScoreKeys<KeyCodec>>();
+  const auto accumulate = dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>();
+  const auto softmax = dispatch::cpu_kernel<cpu::SoftmaxUpdate>();
+  const SoftmaxArgs softmax_base{ws.scores(), 0, ws.score_stride(), group, ws.running_max(),
+                                 ws.running_sum(), ws.acc(), head_dim};
+
+  const index_t chunk_pages = std::max<index_t>(1, Workspace::kChunkTokens / std::max<index_t>(1, pages.page_size));
+  for (index_t first = 0; first < pages.count; first += chunk_pages) {
+    PageRun run = pages;
+    run.pages = pages.pages + first;
+    run.live = pages.live != nullptr ? pages.live + first : nullptr;
+    run.count = std::min(chunk_pages, pages.count - first);
+    run.prefetch = pages.count - first - run.count;
+    score({run, key_params, queries, group, ws.scores(), ws.score_stride(), ws.scratch()});
+    SoftmaxArgs step = softmax_base;
+    step.count = run.count * run.page_size;
+    softmax(step);
+    accumulate({run, value_params, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
+  }
+
+  if (tail.count > 0) {
+    dispatch::cpu_kernel<cpu::ScoreRows>()(
+        {tail.keys, tail.count, head_dim, head_dim, queries, group, ws.scores(), ws.score_stride()});
+    SoftmaxArgs step = softmax_base;
+    step.count = tail.count;
+    softmax(step);
+    // The tail is token-major fp32: exactly a Float<float> value plane of `count` rows.
+    const std::byte* rows = reinterpret_cast<const std::byte*>(tail.values);
+    PageRun run{&rows, nullptr, 1, 0, tail.count, head_dim, 0, 0};
+    dispatch::cpu_kernel<cpu::AccumulateValues<quant::FloatCodec<float, Plane::kValue>>>()(
+        {run, quant::NoParams{}, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
+  }
+
+  for (index_t h = 0; h < group; ++h) {
+    const float sum = ws.running_sum()[h];
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (index_t c = 0; c < head_dim; ++c) out[h * head_dim + c] = ws.acc()[h * head_dim + c] * inverse;
+  }
+}
+
+}  // namespace kvpack::inline v0::kernels

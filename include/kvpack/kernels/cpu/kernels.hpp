@@ -1,0 +1,45 @@
+#pragma once
+/// \file kernels.hpp
+/// \brief The CPU decode-attention kernels as functors templated on an xsimd arch.
+///
+/// The call operators are declared here and defined in kernels_impl.hpp, out of class, so the
+/// dispatch library can compile each one per instruction set in its own translation unit and
+/// other translation units see only `extern template` declarations (xsimd's documented pattern).
+
+#include <type_traits>
+
+#include "kvpack/kernels/kernel_args.hpp"
+
+namespace kvpack::inline v0::kernels::cpu {
+
+/// scores = q · k for every slot of a run of pages, read from the key plane as stored.
+template <class KeyCodec>
+struct ScoreKeys {
+  using args_type = ScoreArgs<typename KeyCodec::params_type>;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
+/// acc += Σ w · v over every slot of a run of pages, read from the value plane as stored.
+template <class ValueCodec>
+struct AccumulateValues {
+  using args_type = AccumulateArgs<typename ValueCodec::params_type>;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
+/// The online-softmax step between scoring and accumulating.
+struct SoftmaxUpdate {
+  using args_type = SoftmaxArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
+/// Scores of full-precision rows (a stream's tail window).
+struct ScoreRows {
+  using args_type = RowScoreArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
+}  // namespace kvpack::inline v0::kernels::cpu

@@ -1,0 +1,34 @@
+#pragma once
+/// \file kernels_impl.hpp
+/// \brief Bodies of the CPU kernel functors: each forwards to the overload for its codec.
+
+#include "kvpack/kernels/cpu/float.hpp"
+#include "kvpack/kernels/cpu/integer.hpp"
+#include "kvpack/kernels/cpu/kernels.hpp"
+#include "kvpack/kernels/cpu/softmax.hpp"
+
+namespace kvpack::inline v0::kernels::cpu {
+
+template <class KeyCodec>
+template <class Arch>
+void ScoreKeys<KeyCodec>::operator()(Arch arch, const args_type& args) const noexcept {
+  score_keys(arch, std::type_identity<KeyCodec>{}, args);
+}
+
+template <class ValueCodec>
+template <class Arch>
+void AccumulateValues<ValueCodec>::operator()(Arch arch, const args_type& args) const noexcept {
+  accumulate_values(arch, std::type_identity<ValueCodec>{}, args);
+}
+
+template <class Arch>
+void SoftmaxUpdate::operator()(Arch arch, const args_type& args) const noexcept {
+  softmax_update(arch, args);
+}
+
+template <class Arch>
+void ScoreRows::operator()(Arch arch, const args_type& args) const noexcept {
+  score_rows(arch, args);
+}
+
+}  // namespace kvpack::inline v0::kernels::cpu

@@ -1,0 +1,67 @@
+#pragma once
+/// \file precompiled.hpp
+/// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
+///
+/// Every shipped codec is listed. A kernel not listed here (a user's own codec) still works: it
+/// is compiled inline for the including file's own target (`default_arch`).
+
+#include <type_traits>
+
+#include "kvpack/kernels/cpu/kernels.hpp"
+#include "kvpack/quant/float.hpp"
+#include "kvpack/quant/fp8.hpp"
+#include "kvpack/quant/int8.hpp"
+#include "kvpack/quant/q4_0.hpp"
+#include "kvpack/quant/q8_0.hpp"
+
+namespace kvpack::inline v0::kernels::cpu::precompiled {
+
+// Aliases without commas, so the lists below can be macro arguments.
+using ScoreF32 = ScoreKeys<quant::FloatCodec<float, Plane::kKey>>;
+using ScoreF16 = ScoreKeys<quant::FloatCodec<half, Plane::kKey>>;
+using ScoreBF16 = ScoreKeys<quant::FloatCodec<bfloat16, Plane::kKey>>;
+using ScoreE4M3 = ScoreKeys<quant::FP8Codec<quant::E4M3FN, Plane::kKey>>;
+using ScoreE5M2 = ScoreKeys<quant::FP8Codec<quant::E5M2, Plane::kKey>>;
+using ScoreInt8 = ScoreKeys<quant::Int8Codec<Plane::kKey>>;
+using ScoreQ8_0 = ScoreKeys<quant::Q8_0Codec<Plane::kKey>>;
+using ScoreQ4_0 = ScoreKeys<quant::Q4_0Codec<Plane::kKey>>;
+using AccumulateF32 = AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
+using AccumulateF16 = AccumulateValues<quant::FloatCodec<half, Plane::kValue>>;
+using AccumulateBF16 = AccumulateValues<quant::FloatCodec<bfloat16, Plane::kValue>>;
+using AccumulateE4M3 = AccumulateValues<quant::FP8Codec<quant::E4M3FN, Plane::kValue>>;
+using AccumulateE5M2 = AccumulateValues<quant::FP8Codec<quant::E5M2, Plane::kValue>>;
+using AccumulateInt8 = AccumulateValues<quant::Int8Codec<Plane::kValue>>;
+using AccumulateQ8_0 = AccumulateValues<quant::Q8_0Codec<Plane::kValue>>;
+using AccumulateQ4_0 = AccumulateValues<quant::Q4_0Codec<Plane::kValue>>;
+
+}  // namespace kvpack::inline v0::kernels::cpu::precompiled
+
+/// Applies X(kernel) to every precompiled kernel functor.
+#define KVPACK_FOR_EACH_PRECOMPILED_KERNEL(X)                                             \
+  X(precompiled::ScoreF32) X(precompiled::ScoreF16) X(precompiled::ScoreBF16)             \
+  X(precompiled::ScoreE4M3) X(precompiled::ScoreE5M2) X(precompiled::ScoreInt8)           \
+  X(precompiled::ScoreQ8_0) X(precompiled::ScoreQ4_0) X(precompiled::AccumulateF32)       \
+  X(precompiled::AccumulateF16) X(precompiled::AccumulateBF16)                            \
+  X(precompiled::AccumulateE4M3) X(precompiled::AccumulateE5M2)                           \
+  X(precompiled::AccumulateInt8) X(precompiled::AccumulateQ8_0)                           \
+  X(precompiled::AccumulateQ4_0) X(SoftmaxUpdate) X(ScoreRows)
+
+namespace kvpack::inline v0::kernels::cpu {
+
+/// True for the kernels KVPACK_FOR_EACH_PRECOMPILED_KERNEL lists.
+template <class Kernel>
+struct is_precompiled : std::false_type {};
+
+#define KVPACK_MARK_PRECOMPILED(Kernel) \
+  template <>                           \
+  struct is_precompiled<Kernel> : std::true_type {};
+KVPACK_FOR_EACH_PRECOMPILED_KERNEL(KVPACK_MARK_PRECOMPILED)
+#undef KVPACK_MARK_PRECOMPILED
+
+}  // namespace kvpack::inline v0::kernels::cpu
+
+/// Explicit instantiation (definition or, with `extern`, declaration) of one kernel for one arch.
+#define KVPACK_INSTANTIATE_KERNEL_FOR(Arch, Kernel) \
+  template void Kernel::operator()<Arch>(Arch, const Kernel::args_type&) const noexcept;
+#define KVPACK_EXTERN_KERNEL_FOR(Arch, Kernel) \
+  extern template void Kernel::operator()<Arch>(Arch, const Kernel::args_type&) const noexcept;

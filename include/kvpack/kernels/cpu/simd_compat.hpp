@@ -1,0 +1,235 @@
+#pragma once
+/// \file simd_compat.hpp
+/// \brief Per-target loads that widen stored formats to fp32 lanes, and reductions xsimd 8.1
+///        lacks.
+///
+/// xsimd 8.1 converts mixed-type loads through a stack buffer and std::copy, so every widening
+/// load the kernels need is written here once per target with the instruction that does it
+/// (vcvtph2ps, vpmovsxbd, ...). Overloads are picked the way xsimd picks its own kernels: the
+/// last parameter is `requires_arch<X>`, and the most derived X the target inherits from wins.
+/// Every function loads exactly `batch<float, A>::size` elements.
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include <xsimd/xsimd.hpp>
+
+#include "kvpack/config.hpp"
+
+namespace kvpack::inline v0::kernels::cpu::simd {
+
+using xsimd::kernel::requires_arch;
+
+template <class A>
+using f32 = xsimd::batch<float, A>;
+template <class A>
+using i32 = xsimd::batch<std::int32_t, A>;
+
+// --- fp16 -----------------------------------------------------------------------------------
+
+/// fp16 bits to fp32 with integer operations only (no denormal fp32 arithmetic, so the result
+/// is exact whatever the MXCSR flush settings are): the exponent is rebased, subnormals are
+/// normalised by a float subtraction whose operands are normal, inf/NaN keep an all-ones exponent.
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> half_bits_to_f32(i32<A> h) noexcept {
+  const i32<A> magnitude = (h & i32<A>(0x7FFF)) << 13;
+  const i32<A> exponent = magnitude & i32<A>(0x7C00 << 13);
+  i32<A> bits = magnitude + i32<A>((127 - 15) << 23);
+  bits = xsimd::select(exponent == i32<A>(0x7C00 << 13), bits + i32<A>((128 - 16) << 23), bits);
+  const f32<A> subnormal =
+      xsimd::bitwise_cast<f32<A>>(bits + i32<A>(1 << 23)) - xsimd::bitwise_cast<f32<A>>(i32<A>(113 << 23));
+  f32<A> value = xsimd::select(xsimd::bitwise_cast<f32<A>>(exponent) == f32<A>(0.0f), subnormal,
+                               xsimd::bitwise_cast<f32<A>>(bits));
+  return xsimd::bitwise_cast<f32<A>>(xsimd::bitwise_cast<i32<A>>(value) |
+                                     ((h & i32<A>(0x8000)) << 16));
+}
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_f16(const std::uint16_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+#if XSIMD_WITH_AVX2 && defined(__F16C__)
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_f16(const std::uint16_t* p, requires_arch<xsimd::avx2>) noexcept {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_f16(const std::uint16_t* p, requires_arch<xsimd::sse2>) noexcept {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return half_bits_to_f32<A>(i32<A>(_mm_unpacklo_epi16(raw, _mm_setzero_si128())));
+}
+#endif
+/// `batch::size` fp16 values from `p` as fp32.
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_f16(const std::uint16_t* p) noexcept {
+  return load_f16<A>(p, A{});
+}
+
+// --- bfloat16: the upper half of an fp32 ----------------------------------------------------
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_bf16(const std::uint16_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_bf16(const std::uint16_t* p, requires_arch<xsimd::avx2>) noexcept {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_bf16(const std::uint16_t* p, requires_arch<xsimd::sse2>) noexcept {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), raw));
+}
+#endif
+/// `batch::size` bfloat16 values from `p` as fp32 (exact).
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_bf16(const std::uint16_t* p) noexcept {
+  return load_bf16<A>(p, A{});
+}
+
+// --- bytes to 32-bit lanes ------------------------------------------------------------------
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_i8(const std::int8_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_u8(const std::uint8_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_i8(const std::int8_t* p, requires_arch<xsimd::avx2>) noexcept {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_u8(const std::uint8_t* p, requires_arch<xsimd::avx2>) noexcept {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_i8(const std::int8_t* p, requires_arch<xsimd::sse2>) noexcept {
+  std::int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  const __m128i bytes = _mm_cvtsi32_si128(four);
+  // Place each byte at the top of a 32-bit lane, then shift it down arithmetically.
+  const __m128i words = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes);
+  return _mm_srai_epi32(_mm_unpacklo_epi16(_mm_setzero_si128(), words), 24);
+}
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_u8(const std::uint8_t* p, requires_arch<xsimd::sse2>) noexcept {
+  std::int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  const __m128i words = _mm_unpacklo_epi8(_mm_cvtsi32_si128(four), _mm_setzero_si128());
+  return _mm_unpacklo_epi16(words, _mm_setzero_si128());
+}
+#endif
+/// `batch::size` signed bytes from `p`, sign-extended to 32-bit lanes.
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_i8(const std::int8_t* p) noexcept {
+  return load_i8<A>(p, A{});
+}
+/// `batch::size` unsigned bytes from `p`, zero-extended to 32-bit lanes.
+template <class A>
+KVPACK_ALWAYS_INLINE i32<A> load_u8(const std::uint8_t* p) noexcept {
+  return load_u8<A>(p, A{});
+}
+
+// --- FP8 --------------------------------------------------------------------------------------
+// E5M2 is the upper byte of an fp16. The 7 magnitude bits of E4M3FN, shifted into an fp16, are
+// the value times 2^-8 (exponent bias 7 vs 15; subnormals map onto fp16 normals and subnormals);
+// its only NaN is S.1111.111. So both decode exactly through the fp16 converter.
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+  const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(code, 8));
+}
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+  const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(code, _mm256_set1_epi16(0x7F));
+  __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
+                                 _mm256_slli_epi16(_mm256_and_si256(code, _mm256_set1_epi16(0x80)), 8));
+  const __m256i is_nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7F));
+  half = _mm256_or_si256(half, _mm256_and_si256(is_nan, _mm256_set1_epi16(0x7E00)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+}
+#endif
+#if XSIMD_WITH_AVX2 && defined(__F16C__)
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p, requires_arch<xsimd::avx2>) noexcept {
+  const __m128i code = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(code, 8));
+}
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p, requires_arch<xsimd::avx2>) noexcept {
+  const __m128i code = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_and_si128(code, _mm_set1_epi16(0x7F));
+  __m128i half = _mm_or_si128(_mm_slli_epi16(magnitude, 7),
+                              _mm_slli_epi16(_mm_and_si128(code, _mm_set1_epi16(0x80)), 8));
+  const __m128i is_nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F));
+  half = _mm_or_si128(half, _mm_and_si128(is_nan, _mm_set1_epi16(0x7E00)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p, requires_arch<xsimd::sse2>) noexcept {
+  return half_bits_to_f32<A>(load_u8<A>(p) << 8);
+}
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p, requires_arch<xsimd::sse2>) noexcept {
+  const i32<A> code = load_u8<A>(p);
+  const i32<A> magnitude = code & i32<A>(0x7F);
+  i32<A> half = (magnitude << 7) | ((code & i32<A>(0x80)) << 8);
+  half = xsimd::select(magnitude == i32<A>(0x7F), half | i32<A>(0x7E00), half);
+  return half_bits_to_f32<A>(half) * f32<A>(256.0f);
+}
+#endif
+/// `batch::size` E5M2 codes from `p` as fp32 (exact, inf and NaN included).
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p) noexcept {
+  return load_e5m2<A>(p, A{});
+}
+/// `batch::size` E4M3FN codes from `p` as fp32 (exact, NaN included).
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p) noexcept {
+  return load_e4m3fn<A>(p, A{});
+}
+
+// --- reductions ---------------------------------------------------------------------------
+
+/// Horizontal sum (xsimd 8.1 calls it hadd; 9.0 renamed it reduce_add).
+template <class A>
+KVPACK_ALWAYS_INLINE float reduce_sum(f32<A> x) noexcept {
+  return xsimd::hadd(x);
+}
+
+/// Horizontal maximum; xsimd 8.1 has no reduce_max.
+template <class A>
+KVPACK_ALWAYS_INLINE float reduce_max(f32<A> x) noexcept {
+  alignas(64) float lanes[f32<A>::size];
+  x.store_aligned(lanes);
+  float best = lanes[0];
+  for (std::size_t i = 1; i < f32<A>::size; ++i) best = lanes[i] > best ? lanes[i] : best;
+  return best;
+}
+
+}  // namespace kvpack::inline v0::kernels::cpu::simd

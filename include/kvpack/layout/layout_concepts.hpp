@@ -1,0 +1,28 @@
+#pragma once
+/// \file layout_concepts.hpp
+/// \brief The Layout concept: what one token leaves in one layer, and who reads it.
+
+#include <concepts>
+#include <string_view>
+#include <type_traits>
+
+#include "kvpack/core/types.hpp"
+
+namespace kvpack::inline v0::layout {
+
+/// A layout maps a ModelShape to KV streams. Per layer there are `streams(shape)` streams, each
+/// storing `key_dim(shape)` key channels and `value_dim(shape)` value channels per token; query
+/// head h reads stream `stream_of_query_head(shape, h)`. Layouts are trivially copyable so a
+/// kernel can take one by value.
+template <class L>
+concept Layout = std::regular<L> && std::is_trivially_copyable_v<L> &&
+                 requires(const L l, const ModelShape& shape, index_t query_head) {
+                   { L::kName } -> std::convertible_to<std::string_view>;
+                   l.validate(shape);
+                   { l.streams(shape) } noexcept -> std::same_as<index_t>;
+                   { l.stream_of_query_head(shape, query_head) } noexcept -> std::same_as<index_t>;
+                   { l.key_dim(shape) } noexcept -> std::same_as<index_t>;
+                   { l.value_dim(shape) } noexcept -> std::same_as<index_t>;
+                 };
+
+}  // namespace kvpack::inline v0::layout

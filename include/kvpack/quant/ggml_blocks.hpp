@@ -1,0 +1,83 @@
+#pragma once
+/// \file ggml_blocks.hpp
+/// \brief llama.cpp / ggml q8_0 and q4_0 blocks (32 elements) with their reference quantizers.
+///
+/// These reproduce ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` bit for bit, so a
+/// kvpack page holds exactly the scales and codes llama.cpp would store; the page codecs only
+/// arrange them differently for the kernels (see q8_0.hpp and q4_0.hpp).
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+
+#include "kvpack/core/half.hpp"
+
+namespace kvpack::inline v0::quant::ggml {
+
+inline constexpr int kBlockSize = 32;  ///< QK8_0 == QK4_0 == 32
+
+/// ggml `block_q8_0`: 34 bytes per 32 elements = 8.5 bits per element.
+struct BlockQ8_0 {
+  std::uint16_t d;                ///< scale, fp16 bits: amax / 127
+  std::int8_t qs[kBlockSize];     ///< codes, x ≈ d · qs[j]
+};
+static_assert(sizeof(BlockQ8_0) == 34);
+
+/// ggml `block_q4_0`: 18 bytes per 32 elements = 4.5 bits per element.
+struct BlockQ4_0 {
+  std::uint16_t d;                     ///< scale, fp16 bits: (signed value of largest |x|) / -8
+  std::uint8_t qs[kBlockSize / 2];     ///< element j in the low nibble of qs[j], j+16 in the high
+};
+static_assert(sizeof(BlockQ4_0) == 18);
+
+/// ggml's q8_0 reference quantizer for one block of 32 floats.
+inline BlockQ8_0 quantize_q8_0(const float* x) noexcept {
+  float amax = 0.0f;
+  for (int j = 0; j < kBlockSize; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  BlockQ8_0 block{};
+  block.d = half(d).bits;
+  for (int j = 0; j < kBlockSize; ++j) block.qs[j] = static_cast<std::int8_t>(std::roundf(x[j] * id));
+  return block;
+}
+
+inline void dequantize_q8_0(const BlockQ8_0& block, float* y) noexcept {
+  const float d = half::from_bits(block.d);
+  for (int j = 0; j < kBlockSize; ++j) y[j] = static_cast<float>(block.qs[j]) * d;
+}
+
+/// ggml's q4_0 reference quantizer for one block of 32 floats (truncating, as ggml does).
+inline BlockQ4_0 quantize_q4_0(const float* x) noexcept {
+  float amax = 0.0f;
+  float max = 0.0f;
+  for (int j = 0; j < kBlockSize; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  BlockQ4_0 block{};
+  block.d = half(d).bits;
+  for (int j = 0; j < kBlockSize / 2; ++j) {
+    const auto lo = static_cast<std::uint8_t>(
+        std::min<std::int8_t>(15, static_cast<std::int8_t>(x[j] * id + 8.5f)));
+    const auto hi = static_cast<std::uint8_t>(
+        std::min<std::int8_t>(15, static_cast<std::int8_t>(x[j + 16] * id + 8.5f)));
+    block.qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
+  }
+  return block;
+}
+
+inline void dequantize_q4_0(const BlockQ4_0& block, float* y) noexcept {
+  const float d = half::from_bits(block.d);
+  for (int j = 0; j < kBlockSize / 2; ++j) {
+    y[j] = static_cast<float>((block.qs[j] & 0x0F) - 8) * d;
+    y[j + 16] = static_cast<float>((block.qs[j] >> 4) - 8) * d;
+  }
+}
+
+}  // namespace kvpack::inline v0::quant::ggml

@@ -1,0 +1,112 @@
+#pragma once
+/// \file q8_0.hpp
+/// \brief quant::Q8_0: llama.cpp's q8_0 blocks (32 channels of one token, fp16 scale, int8 codes).
+///
+/// Quantization is ggml's reference (ggml_blocks.hpp), so the scales and codes are exactly those
+/// llama.cpp stores; `to_ggml`/`from_ggml` convert a token's row to and from llama.cpp's
+/// `block_q8_0[d/32]`. Byte format of a plane (P = page_size, d = head_dim, d % 32 == 0):
+///   `int8 codes[P·d]` in the pair tiles of tile_layout.hpp, then `fp16 d[d/32][P]` (block-major,
+///   tokens contiguous so a vector of per-token scales is one load).
+/// Bits per element: 8.5 (34 bytes per 32 elements, as llama.cpp).
+
+#include <cstring>
+#include <string>
+
+#include "kvpack/quant/ggml_blocks.hpp"
+#include "kvpack/quant/tile_layout.hpp"
+
+namespace kvpack::inline v0::quant {
+
+/// One plane of quant::Q8_0; see the file comment for the byte format.
+template <Plane kPlaneOf>
+struct Q8_0Codec {
+  using params_type = NoParams;
+  static constexpr std::string_view kName = "q8_0";
+  static constexpr Plane kPlane = kPlaneOf;
+
+  void validate(PageGeometry g) const {
+    KVPACK_CHECK(g.head_dim % ggml::kBlockSize == 0, kUnsupported,
+                 ::kvpack::detail::message("q8_0 quantizes blocks of 32 channels: head_dim ",
+                                           g.head_dim, " is not a multiple of 32"));
+  }
+  [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
+    return codes_bytes(g) + scale_count(g) * sizeof(std::uint16_t);
+  }
+  [[nodiscard]] double nominal_bits_per_element(index_t) const noexcept { return 8.5; }
+  [[nodiscard]] float max_abs_input() const noexcept { return 65504.0f * 127.0f; }
+  [[nodiscard]] params_type initial_params(index_t, index_t) const noexcept { return {}; }
+
+  [[nodiscard]] static constexpr std::size_t codes_bytes(PageGeometry g) noexcept {
+    return static_cast<std::size_t>(g.page_size) * static_cast<std::size_t>(g.head_dim);
+  }
+  [[nodiscard]] static constexpr std::size_t scale_count(PageGeometry g) noexcept {
+    return static_cast<std::size_t>(g.page_size) * (g.head_dim / ggml::kBlockSize);
+  }
+  /// Byte offset of the scale of (token t, block b).
+  [[nodiscard]] static constexpr std::size_t scale_byte(PageGeometry g, index_t t, index_t b) noexcept {
+    return codes_bytes(g) + (static_cast<std::size_t>(b) * g.page_size + t) * sizeof(std::uint16_t);
+  }
+  [[nodiscard]] static constexpr std::size_t code_byte(PageGeometry g, index_t t, index_t c) noexcept {
+    return kPlane == Plane::kKey ? tile::key_byte(g, t, c) : tile::value_byte(g, t, c);
+  }
+
+  /// Block b of token t, as llama.cpp stores it.
+  [[nodiscard]] static ggml::BlockQ8_0 read_block(PageGeometry g, const std::byte* plane, index_t t,
+                                                  index_t b) noexcept {
+    ggml::BlockQ8_0 block;
+    std::memcpy(&block.d, plane + scale_byte(g, t, b), sizeof(block.d));
+    for (index_t j = 0; j < ggml::kBlockSize; ++j) {
+      block.qs[j] = static_cast<std::int8_t>(plane[code_byte(g, t, b * ggml::kBlockSize + j)]);
+    }
+    return block;
+  }
+  static void write_block(PageGeometry g, const ggml::BlockQ8_0& block, index_t t, index_t b,
+                          std::byte* plane) noexcept {
+    std::memcpy(plane + scale_byte(g, t, b), &block.d, sizeof(block.d));
+    for (index_t j = 0; j < ggml::kBlockSize; ++j) {
+      plane[code_byte(g, t, b * ggml::kBlockSize + j)] = static_cast<std::byte>(block.qs[j]);
+    }
+  }
+
+  /// Stores token t from llama.cpp's row layout (`row` holds head_dim / 32 blocks).
+  static void from_ggml(PageGeometry g, const ggml::BlockQ8_0* row, index_t t, std::byte* plane) noexcept {
+    for (index_t b = 0; b < g.head_dim / ggml::kBlockSize; ++b) write_block(g, row[b], t, b, plane);
+  }
+  /// Reads token t back in llama.cpp's row layout (`row` receives head_dim / 32 blocks).
+  static void to_ggml(PageGeometry g, const std::byte* plane, index_t t, ggml::BlockQ8_0* row) noexcept {
+    for (index_t b = 0; b < g.head_dim / ggml::kBlockSize; ++b) row[b] = read_block(g, plane, t, b);
+  }
+
+  void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, params_type,
+              std::byte* dst) const noexcept {
+    for (index_t t = 0; t < g.page_size; ++t) {
+      for (index_t b = 0; b < g.head_dim / ggml::kBlockSize; ++b) {
+        write_block(g, ggml::quantize_q8_0(src + t * row_stride + b * ggml::kBlockSize), t, b, dst);
+      }
+    }
+  }
+
+  void decode(PageGeometry g, const std::byte* plane, params_type, float* dst) const noexcept {
+    for (index_t t = 0; t < g.page_size; ++t) {
+      for (index_t b = 0; b < g.head_dim / ggml::kBlockSize; ++b) {
+        ggml::dequantize_q8_0(read_block(g, plane, t, b),
+                              dst + static_cast<std::size_t>(t) * g.head_dim + b * ggml::kBlockSize);
+      }
+    }
+  }
+
+  friend constexpr bool operator==(const Q8_0Codec&, const Q8_0Codec&) noexcept { return true; }
+
+};
+
+/// llama.cpp-compatible q8_0 keys and values.
+struct Q8_0 {
+  using key_codec = Q8_0Codec<Plane::kKey>;
+  using value_codec = Q8_0Codec<Plane::kValue>;
+  key_codec key{};
+  value_codec value{};
+  static std::string name() { return "q8_0"; }
+  friend constexpr bool operator==(const Q8_0&, const Q8_0&) noexcept { return true; }
+};
+
+}  // namespace kvpack::inline v0::quant
