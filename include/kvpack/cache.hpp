@@ -207,6 +207,7 @@ class KVCache {
     if (config_.check_inputs) check_values(q, std::numeric_limits<float>::max(), "attend", "query");
 
     const index_t group = shape_.group_size();
+    const auto kernel_set = kernels::KernelSet<KeyCodec, ValueCodec>::selected();
     auto attend_stream = [&](index_t s) {
       thread_local kernels::Workspace workspace;
       thread_local std::vector<float> scaled_queries;
@@ -229,7 +230,7 @@ class KVCache {
       kernels::attend_stream<KeyCodec, ValueCodec>(run, key_params_[p], value_params_[p], tail,
                                                    scaled_queries.data(), group,
                                                    out.data() + static_cast<std::size_t>(s) * group * value_dim_,
-                                                   workspace);
+                                                   workspace, kernel_set);
     };
     if (config_.executor && streams_ > 1) {
       config_.executor(streams_, attend_stream);
@@ -318,7 +319,9 @@ class KVCache {
     check_layer(layer, "pages");
     KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
                  detail::message("pages: stream ", stream, " out of range"));
-    return sequence.layers[layer].tables[stream];
+    const LayerState& state = sequence.layers[layer];
+    if (state.tables.empty()) return {};  // nothing written to this layer yet
+    return state.tables[stream];
   }
   [[nodiscard]] const paging::PagePool& pool() const noexcept { return pool_; }
 
@@ -531,7 +534,9 @@ class KVCache {
     for (index_t p = 0; p < new_pages; ++p) {
       const index_t begin = p * page;
       for (index_t s = 0; s < streams_; ++s) {
-        const PageId id = fresh[static_cast<std::size_t>(p) * streams_ + s];
+        // Stream-major: a stream's new pages are consecutive ids, i.e. adjacent in the pool, so
+        // the hardware prefetcher streams through them during attention.
+        const PageId id = fresh[static_cast<std::size_t>(s) * new_pages + p];
         std::byte* payload = pool_.payload(id);
         const std::size_t params = static_cast<std::size_t>(layer) * streams_ + s;
         encode_plane(quantizer_.key, key_geometry(), key_dim_, key_row, state.tail_count, begin,

@@ -22,6 +22,8 @@
 // accumulators in registers across the per-channel and per-token loops.
 #if defined(__GNUC__) || defined(__clang__)
 #define KVPACK_ALWAYS_INLINE inline __attribute__((always_inline))
+#define KVPACK_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define KVPACK_ALWAYS_INLINE inline
+#define KVPACK_ALWAYS_INLINE_LAMBDA
 #endif

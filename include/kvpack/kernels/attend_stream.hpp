@@ -63,6 +63,34 @@ class Workspace {
   index_t score_stride_ = 0;
 };
 
+/// The kernels one stream's attention calls, bound to one instruction set.
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+struct KernelSet {
+  using RowValues = cpu::AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
+  dispatch::CpuFunction<cpu::ScoreKeys<KeyCodec>> score;
+  dispatch::CpuFunction<cpu::AccumulateValues<ValueCodec>> accumulate;
+  dispatch::CpuFunction<cpu::SoftmaxUpdate> softmax;
+  dispatch::CpuFunction<cpu::ScoreRows> score_rows;
+  dispatch::CpuFunction<RowValues> accumulate_rows;
+
+  /// The kernels dispatch selects for this CPU (or KVPACK_ISA).
+  static KernelSet selected() {
+    return {dispatch::cpu_kernel<cpu::ScoreKeys<KeyCodec>>(),
+            dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>(),
+            dispatch::cpu_kernel<cpu::SoftmaxUpdate>(), dispatch::cpu_kernel<cpu::ScoreRows>(),
+            dispatch::cpu_kernel<RowValues>()};
+  }
+  /// The kernels compiled for `Arch` (see dispatch::cpu_kernel_for for when that is allowed).
+  template <class Arch>
+  static KernelSet for_arch() noexcept {
+    return {dispatch::cpu_kernel_for<cpu::ScoreKeys<KeyCodec>, Arch>(),
+            dispatch::cpu_kernel_for<cpu::AccumulateValues<ValueCodec>, Arch>(),
+            dispatch::cpu_kernel_for<cpu::SoftmaxUpdate, Arch>(),
+            dispatch::cpu_kernel_for<cpu::ScoreRows, Arch>(),
+            dispatch::cpu_kernel_for<RowValues, Arch>()};
+  }
+};
+
 /// out[h] = softmax(q[h] · K) V over every live slot of `pages` (its `count` is the whole
 /// stream) and every row of `tail`. `queries` already carry the softmax scale. The workspace
 /// must have been prepared for (group, head_dim, page_size, tail.count).
@@ -70,15 +98,16 @@ template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& key_params,
                    const typename ValueCodec::params_type& value_params, const TailView& tail,
                    const float* queries /*[group][head_dim]*/, index_t group,
-                   float* out /*[group][head_dim]*/, const Workspace& ws) noexcept {
+                   float* out /*[group][head_dim]*/, const Workspace& ws,
+                   const KernelSet<KeyCodec, ValueCodec>& kernels) noexcept {
   const index_t head_dim = pages.head_dim;
   std::fill_n(ws.running_max(), group, -std::numeric_limits<float>::infinity());
   std::fill_n(ws.running_sum(), group, 0.0f);
   std::fill_n(ws.acc(), static_cast<std::size_t>(group) * head_dim, 0.0f);
 
-  const auto score = dispatch::cpu_kernel<cpu::ScoreKeys<KeyCodec>>();
-  const auto accumulate = dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>();
-  const auto softmax = dispatch::cpu_kernel<cpu::SoftmaxUpdate>();
+  const auto score = kernels.score;
+  const auto accumulate = kernels.accumulate;
+  const auto softmax = kernels.softmax;
   const SoftmaxArgs softmax_base{ws.scores(), 0, ws.score_stride(), group, ws.running_max(),
                                  ws.running_sum(), ws.acc(), head_dim};
 
@@ -97,7 +126,7 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
   }
 
   if (tail.count > 0) {
-    dispatch::cpu_kernel<cpu::ScoreRows>()(
+    kernels.score_rows(
         {tail.keys, tail.count, head_dim, head_dim, queries, group, ws.scores(), ws.score_stride()});
     SoftmaxArgs step = softmax_base;
     step.count = tail.count;
@@ -105,7 +134,7 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
     // The tail is token-major fp32: exactly a Float<float> value plane of `count` rows.
     const std::byte* rows = reinterpret_cast<const std::byte*>(tail.values);
     PageRun run{&rows, nullptr, 1, 0, tail.count, head_dim, 0, 0};
-    dispatch::cpu_kernel<cpu::AccumulateValues<quant::FloatCodec<float, Plane::kValue>>>()(
+    kernels.accumulate_rows(
         {run, quant::NoParams{}, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
   }
 

@@ -13,6 +13,7 @@
 /// layer as in vLLM: scale = max|x| / 200 for keys and max|x| / 100 for values, which leaves
 /// headroom for later tokens larger than the prompt's. A later token beyond it saturates.
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -85,8 +86,10 @@ struct FP8Codec {
   [[nodiscard]] ScaleGranularity granularity() const noexcept { return options.granularity; }
   [[nodiscard]] bool calibrates() const noexcept { return options.calibrate; }
   [[nodiscard]] params_type params_from_absmax(float absmax) const noexcept {
-    // An all-zero calibration batch says nothing about scale; keep 1 rather than divide by 0.
-    return {absmax > 0.0f ? absmax / kCalibrationTarget : 1.0f};
+    // An all-zero batch says nothing about scale: keep 1. A tiny one must not round the scale
+    // to 0 (then 0/0 would encode NaN): floor it at the smallest normal float.
+    if (!(absmax > 0.0f)) return {1.0f};
+    return {std::max(absmax / kCalibrationTarget, std::numeric_limits<float>::min())};
   }
   [[nodiscard]] params_type initial_params(index_t layer, index_t head) const {
     if (!options.calibrate && options.granularity == ScaleGranularity::kPerHead) {

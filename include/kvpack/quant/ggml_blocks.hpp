@@ -17,6 +17,15 @@ namespace kvpack::inline v0::quant::ggml {
 
 inline constexpr int kBlockSize = 32;  ///< QK8_0 == QK4_0 == 32
 
+/// float → integer code as ggml converts it (`round` for q8_0, truncation for q4_0), but defined
+/// for every input: when a block's largest magnitude is so small that 1/d overflows, ggml converts
+/// inf or NaN to int8 (undefined behaviour); here such codes become `zero_code`, and the stored d
+/// (which then rounds to fp16 0) decodes them to 0 as ggml's would.
+inline std::int8_t to_code(float value, float lowest, float highest, std::int8_t zero_code) noexcept {
+  if (std::isnan(value)) return zero_code;
+  return static_cast<std::int8_t>(std::clamp(value, lowest, highest));
+}
+
 /// ggml `block_q8_0`: 34 bytes per 32 elements = 8.5 bits per element.
 struct BlockQ8_0 {
   std::uint16_t d;                ///< scale, fp16 bits: amax / 127
@@ -39,7 +48,7 @@ inline BlockQ8_0 quantize_q8_0(const float* x) noexcept {
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   BlockQ8_0 block{};
   block.d = half(d).bits;
-  for (int j = 0; j < kBlockSize; ++j) block.qs[j] = static_cast<std::int8_t>(std::roundf(x[j] * id));
+  for (int j = 0; j < kBlockSize; ++j) block.qs[j] = to_code(std::roundf(x[j] * id), -127.0f, 127.0f, 0);
   return block;
 }
 
@@ -63,10 +72,9 @@ inline BlockQ4_0 quantize_q4_0(const float* x) noexcept {
   BlockQ4_0 block{};
   block.d = half(d).bits;
   for (int j = 0; j < kBlockSize / 2; ++j) {
-    const auto lo = static_cast<std::uint8_t>(
-        std::min<std::int8_t>(15, static_cast<std::int8_t>(x[j] * id + 8.5f)));
-    const auto hi = static_cast<std::uint8_t>(
-        std::min<std::int8_t>(15, static_cast<std::int8_t>(x[j + 16] * id + 8.5f)));
+    // (int8_t)(x·id + 8.5) truncates toward zero, then MIN(15, ·): ggml's q4_0 rounding.
+    const auto lo = static_cast<std::uint8_t>(to_code(std::trunc(x[j] * id + 8.5f), 0.0f, 15.0f, 8));
+    const auto hi = static_cast<std::uint8_t>(to_code(std::trunc(x[j + 16] * id + 8.5f), 0.0f, 15.0f, 8));
     block.qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
   }
   return block;

@@ -4,7 +4,7 @@
 ///
 /// Per token: s = max_c |x_c| / 127, code = round(x / s) in [-127, 127], x̂ = code · s
 /// (ALGORITHMS.md §5.2; the code is computed with 1/s in fp32 and s is stored as fp16, as ggml's
-/// q8_0 does). Byte format of a plane (P = page_size, d = head_dim, d even):
+/// q8_0 does). Byte format of a plane (P = page_size, d = head_dim, d % 8 == 0):
 ///   `int8 codes[P·d]` in the pair tiles of tile_layout.hpp, then `fp16 scale[P]`.
 /// Bits per element: 8 + 16/d (8.125 at d = 128).
 
@@ -14,6 +14,7 @@
 #include <string>
 
 #include "kvpack/core/half.hpp"
+#include "kvpack/quant/ggml_blocks.hpp"
 #include "kvpack/quant/tile_layout.hpp"
 
 namespace kvpack::inline v0::quant {
@@ -26,10 +27,11 @@ struct Int8Codec {
   static constexpr Plane kPlane = kPlaneOf;
 
   void validate(PageGeometry g) const {
-    KVPACK_CHECK(g.head_dim % 2 == 0 && g.page_size % 2 == 0, kUnsupported,
-                 ::kvpack::detail::message("int8 stores channel and token pairs: head_dim (",
-                                           g.head_dim, ") and page_size (", g.page_size,
-                                           ") must be even"));
+    // Pairs of channels and tokens are stored together, and the SIMD value kernels step over
+    // channels 8 at a time.
+    KVPACK_CHECK(g.head_dim % 8 == 0 && g.page_size % 2 == 0, kUnsupported,
+                 ::kvpack::detail::message("int8 needs head_dim a multiple of 8 (got ", g.head_dim,
+                                           ") and an even page_size (got ", g.page_size, ")"));
   }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
     return codes_bytes(g) + static_cast<std::size_t>(g.page_size) * sizeof(std::uint16_t);
@@ -60,7 +62,7 @@ struct Int8Codec {
       const std::uint16_t scale_bits = half(scale).bits;
       std::memcpy(scales + t * sizeof(scale_bits), &scale_bits, sizeof(scale_bits));
       for (index_t c = 0; c < g.head_dim; ++c) {
-        const auto code = static_cast<std::int8_t>(std::roundf(row[c] * inverse));
+        const std::int8_t code = ggml::to_code(std::roundf(row[c] * inverse), -127.0f, 127.0f, 0);
         dst[code_byte(g, t, c)] = static_cast<std::byte>(code);
       }
     }

@@ -29,6 +29,9 @@ struct Q4_0Codec {
     KVPACK_CHECK(g.head_dim % ggml::kBlockSize == 0, kUnsupported,
                  ::kvpack::detail::message("q4_0 quantizes blocks of 32 channels: head_dim ",
                                            g.head_dim, " is not a multiple of 32"));
+    KVPACK_CHECK(g.page_size % 2 == 0, kUnsupported,
+                 ::kvpack::detail::message("q4_0 stores token pairs: page_size ", g.page_size,
+                                           " must be even"));
   }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
     return codes_bytes(g) + scale_count(g) * sizeof(std::uint16_t);

@@ -80,20 +80,49 @@ KVPACK_ALWAYS_INLINE index_t prefetch_distance(std::size_t payload_bytes) noexce
   return static_cast<index_t>(pages < 1 ? 1 : (pages > 16 ? 16 : pages));
 }
 
-/// Scores of kG heads for W tokens starting at t0 of a channel-major key plane.
-template <class Storage, int kG, class A>
+/// Independent FMA chains the kernels keep in flight: FMA latency (4 cycles) times issue width
+/// (2 per cycle). With fewer, a loop waits on its own accumulators instead of on memory.
+inline constexpr int kFmaChains = 8;
+
+/// Scores of kG heads for kTiles·W tokens starting at t0 of a channel-major key plane. Channels
+/// are split over kSplit accumulator sets so that kG·kTiles·kSplit chains run in parallel.
+template <class Storage, int kG, int kTiles, class A>
 KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index_t page_size,
                                                    index_t head_dim, index_t t0, const float* q,
                                                    float scale, float* scores, index_t stride) noexcept {
   using batch = simd::f32<A>;
-  batch acc[kG];
-  for (int h = 0; h < kG; ++h) acc[h] = batch(0.0f);
-  for (index_t c = 0; c < head_dim; ++c) {
-    const batch k = load_elements<Storage, A>(plane, static_cast<std::size_t>(c) * page_size + t0);
+  constexpr index_t kWidth = static_cast<index_t>(batch::size);
+  constexpr int kSplit = kG * kTiles >= kFmaChains ? 1 : kFmaChains / (kG * kTiles);
+  batch acc[kSplit][kG][kTiles];
+  for (auto& split : acc)
+    for (auto& head : split)
+      for (batch& a : head) a = batch(0.0f);
+  const index_t split_end = head_dim - head_dim % kSplit;
+  auto step = [&](int split, index_t c) KVPACK_ALWAYS_INLINE_LAMBDA {
+    batch k[kTiles];
     KVPACK_UNROLL
-    for (int h = 0; h < kG; ++h) acc[h] = xsimd::fma(batch(q[h * head_dim + c]), k, acc[h]);
+    for (int i = 0; i < kTiles; ++i) {
+      k[i] = load_elements<Storage, A>(plane, static_cast<std::size_t>(c) * page_size + t0 + i * kWidth);
+    }
+    KVPACK_UNROLL
+    for (int h = 0; h < kG; ++h) {
+      const batch qc(q[h * head_dim + c]);
+      KVPACK_UNROLL
+      for (int i = 0; i < kTiles; ++i) acc[split][h][i] = xsimd::fma(qc, k[i], acc[split][h][i]);
+    }
+  };
+  for (index_t c = 0; c < split_end; c += kSplit) {
+    KVPACK_UNROLL
+    for (int split = 0; split < kSplit; ++split) step(split, c + split);
   }
-  for (int h = 0; h < kG; ++h) (acc[h] * batch(scale)).store_unaligned(scores + h * stride + t0);
+  for (index_t c = split_end; c < head_dim; ++c) step(0, c);
+  for (int h = 0; h < kG; ++h) {
+    for (int i = 0; i < kTiles; ++i) {
+      batch total = acc[0][h][i];
+      for (int split = 1; split < kSplit; ++split) total += acc[split][h][i];
+      (total * batch(scale)).store_unaligned(scores + h * stride + t0 + i * kWidth);
+    }
+  }
 }
 
 /// Key kernel for element-wise formats (page_size must be a multiple of the vector width).
@@ -109,35 +138,65 @@ void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
     }
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
-    for (index_t t0 = 0; t0 < run.page_size; t0 += kWidth) {
-      for_each_head_block(args.group, [&](auto block, index_t h0) {
-        score_channel_major_tile<Storage, decltype(block)::value, A>(
-            plane, run.page_size, run.head_dim, t0, args.queries + h0 * run.head_dim, scale,
-            scores + h0 * args.score_stride, args.score_stride);
-      });
-    }
+    for_each_head_block(args.group, [&](auto block, index_t h0) {
+      constexpr int kG = decltype(block)::value;
+      const float* q = args.queries + h0 * run.head_dim;
+      float* out = scores + h0 * args.score_stride;
+      index_t t0 = 0;
+      for (; t0 + 2 * kWidth <= run.page_size; t0 += 2 * kWidth) {
+        score_channel_major_tile<Storage, kG, 2, A>(plane, run.page_size, run.head_dim, t0, q, scale, out,
+                                                    args.score_stride);
+      }
+      for (; t0 < run.page_size; t0 += kWidth) {
+        score_channel_major_tile<Storage, kG, 1, A>(plane, run.page_size, run.head_dim, t0, q, scale, out,
+                                                    args.score_stride);
+      }
+    });
     if (run.live != nullptr) {
       mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
     }
   }
 }
 
-/// acc[h][c0:c0+W] += scale · Σ_t w[h][t] · v[t][c0:c0+W] for kG heads of a token-major plane.
-template <class Storage, int kG, class A>
+/// acc[h][c0 : c0 + kChunks·W] += scale · Σ_t w[h][t] · v[t][...] for kG heads of a token-major
+/// plane; tokens are split over kSplit accumulator sets to keep kFmaChains chains in flight.
+template <class Storage, int kG, int kChunks, class A>
 KVPACK_ALWAYS_INLINE void accumulate_token_major_tile(const std::byte* plane, index_t rows,
                                                       index_t head_dim, index_t c0, const float* w,
                                                       index_t w_stride, float scale, float* acc) noexcept {
   using batch = simd::f32<A>;
-  batch sum[kG];
-  for (int h = 0; h < kG; ++h) sum[h] = batch(0.0f);
-  for (index_t t = 0; t < rows; ++t) {
-    const batch v = load_elements<Storage, A>(plane, static_cast<std::size_t>(t) * head_dim + c0);
+  constexpr index_t kWidth = static_cast<index_t>(batch::size);
+  constexpr int kSplit = kG * kChunks >= kFmaChains ? 1 : kFmaChains / (kG * kChunks);
+  batch sum[kSplit][kG][kChunks];
+  for (auto& split : sum)
+    for (auto& head : split)
+      for (batch& a : head) a = batch(0.0f);
+  auto step = [&](int split, index_t t) KVPACK_ALWAYS_INLINE_LAMBDA {
+    batch v[kChunks];
     KVPACK_UNROLL
-    for (int h = 0; h < kG; ++h) sum[h] = xsimd::fma(batch(w[h * w_stride + t]), v, sum[h]);
+    for (int j = 0; j < kChunks; ++j) {
+      v[j] = load_elements<Storage, A>(plane, static_cast<std::size_t>(t) * head_dim + c0 + j * kWidth);
+    }
+    KVPACK_UNROLL
+    for (int h = 0; h < kG; ++h) {
+      const batch wt(w[h * w_stride + t]);
+      KVPACK_UNROLL
+      for (int j = 0; j < kChunks; ++j) sum[split][h][j] = xsimd::fma(wt, v[j], sum[split][h][j]);
+    }
+  };
+  const index_t split_end = rows - rows % kSplit;
+  for (index_t t = 0; t < split_end; t += kSplit) {
+    KVPACK_UNROLL
+    for (int split = 0; split < kSplit; ++split) step(split, t + split);
   }
+  for (index_t t = split_end; t < rows; ++t) step(0, t);
   for (int h = 0; h < kG; ++h) {
-    float* out = acc + h * head_dim + c0;
-    xsimd::fma(sum[h], batch(scale), batch::load_unaligned(out)).store_unaligned(out);
+    for (int j = 0; j < kChunks; ++j) {
+      batch total = sum[0][h][j];
+      for (int split = 1; split < kSplit; ++split) total += sum[split][h][j];
+      float* out = acc + h * head_dim + c0 + j * kWidth;
+      xsimd::fma(total, batch(scale), batch::load_unaligned(out)).store_unaligned(out);
+    }
   }
 }
 
@@ -151,13 +210,20 @@ void accumulate_element_values(A, const AccumulateArgs<Params>& args) noexcept {
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     const float* w = args.weights + i * run.page_size;
-    for (index_t c0 = 0; c0 < vector_end; c0 += kWidth) {
-      for_each_head_block(args.group, [&](auto block, index_t h0) {
-        accumulate_token_major_tile<Storage, decltype(block)::value, A>(
-            plane, run.page_size, run.head_dim, c0, w + h0 * args.weight_stride, args.weight_stride,
-            scale, args.acc + h0 * run.head_dim);
-      });
-    }
+    for_each_head_block(args.group, [&](auto block, index_t h0) {
+      constexpr int kG = decltype(block)::value;
+      index_t c0 = 0;
+      for (; c0 + 2 * kWidth <= vector_end; c0 += 2 * kWidth) {
+        accumulate_token_major_tile<Storage, kG, 2, A>(plane, run.page_size, run.head_dim, c0,
+                                                       w + h0 * args.weight_stride, args.weight_stride,
+                                                       scale, args.acc + h0 * run.head_dim);
+      }
+      for (; c0 < vector_end; c0 += kWidth) {
+        accumulate_token_major_tile<Storage, kG, 1, A>(plane, run.page_size, run.head_dim, c0,
+                                                       w + h0 * args.weight_stride, args.weight_stride,
+                                                       scale, args.acc + h0 * run.head_dim);
+      }
+    });
     for (index_t c = vector_end; c < run.head_dim; ++c) {
       for (index_t h = 0; h < args.group; ++h) {
         float sum = 0.0f;

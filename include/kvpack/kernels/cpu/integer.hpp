@@ -268,7 +268,9 @@ inline Int16Query quantize_query_int16(xsimd::avx512bw, const float* q, index_t 
   return out;
 }
 
-template <class Codec, int kG>
+/// Scores of kG heads for kTiles·16 tokens from t0: kG·kTiles int32 chains per channel block
+/// keep the dot-product units busy (vpdpwssd has a latency of several cycles).
+template <class Codec, int kG, int kTiles>
 KVPACK_ALWAYS_INLINE void score_integer_tile_vnni(const std::byte* plane, std::size_t codes_bytes,
                                                   index_t page_size, index_t head_dim, index_t t0,
                                                   const Int16Query& q, index_t h0, float* scores,
@@ -276,48 +278,72 @@ KVPACK_ALWAYS_INLINE void score_integer_tile_vnni(const std::byte* plane, std::s
   const index_t block = IntegerPlane<Codec>::scale_block(head_dim);
   const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
   const index_t pairs_per_head = head_dim / 2;
-  __m512 total[kG];
-  for (int h = 0; h < kG; ++h) total[h] = _mm512_setzero_ps();
+  auto codes_at = [&](index_t row, int tile) KVPACK_ALWAYS_INLINE_LAMBDA {
+    return reinterpret_cast<const __m256i*>(codes + (static_cast<std::size_t>(row) * page_size + t0 + 16 * tile) * 2);
+  };
+  __m512 total[kG][kTiles];
+  for (auto& head : total)
+    for (__m512& t : head) t = _mm512_setzero_ps();
   for (index_t b = 0; b < head_dim / block; ++b) {
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-        plane + codes_bytes + (static_cast<std::size_t>(b) * page_size + t0) * 2)));
+    __m512 scale[kTiles];
+    for (int i = 0; i < kTiles; ++i) {
+      scale[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          plane + codes_bytes + (static_cast<std::size_t>(b) * page_size + t0 + 16 * i) * 2)));
+    }
     for (index_t c_begin = b * block; c_begin < (b + 1) * block; c_begin += kMaxInt32Channels) {
       const index_t c_end = std::min(c_begin + kMaxInt32Channels, (b + 1) * block);
-      __m512i sum[kG];
-      for (int h = 0; h < kG; ++h) sum[h] = _mm512_setzero_si512();
+      __m512i sum[kG][kTiles];
+      for (auto& head : sum)
+        for (__m512i& x : head) x = _mm512_setzero_si512();
       if constexpr (IntegerPlane<Codec>::kNibbles) {
+        // Row (b·8 + pair) holds channel pair b·32 + 2·pair (low nibbles) and that + 16 (high).
         for (index_t pair = 0; pair < 8; ++pair) {
-          const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              codes + ((static_cast<std::size_t>(b) * 8 + pair) * page_size + t0) * 2)));
-          const __m512i low = _mm512_and_si512(raw, _mm512_set1_epi16(0xF));
-          const __m512i high = _mm512_srli_epi16(raw, 4);
-          const index_t p = (b * 32 + 2 * pair) / 2;
+          __m512i low[kTiles], high[kTiles];
+          for (int i = 0; i < kTiles; ++i) {
+            const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(codes_at(b * 8 + pair, i)));
+            low[i] = _mm512_and_si512(raw, _mm512_set1_epi16(0xF));
+            high[i] = _mm512_srli_epi16(raw, 4);
+          }
+          const index_t p = b * 16 + pair;
           KVPACK_UNROLL
           for (int h = 0; h < kG; ++h) {
             const std::int32_t* qp = q.pairs + (h0 + h) * pairs_per_head;
-            sum[h] = _mm512_dpwssd_epi32(sum[h], low, _mm512_set1_epi32(qp[p]));
-            sum[h] = _mm512_dpwssd_epi32(sum[h], high, _mm512_set1_epi32(qp[p + 8]));
+            const __m512i q_low = _mm512_set1_epi32(qp[p]);
+            const __m512i q_high = _mm512_set1_epi32(qp[p + 8]);
+            KVPACK_UNROLL
+            for (int i = 0; i < kTiles; ++i) {
+              sum[h][i] = _mm512_dpwssd_epi32(sum[h][i], low[i], q_low);
+              sum[h][i] = _mm512_dpwssd_epi32(sum[h][i], high[i], q_high);
+            }
           }
         }
         for (int h = 0; h < kG; ++h) {
-          const std::int32_t offset = 8 * q.block_sums[(h0 + h) * (head_dim / 32) + b];
-          sum[h] = _mm512_sub_epi32(sum[h], _mm512_set1_epi32(offset));
+          const __m512i offset = _mm512_set1_epi32(8 * q.block_sums[(h0 + h) * (head_dim / 32) + b]);
+          for (int i = 0; i < kTiles; ++i) sum[h][i] = _mm512_sub_epi32(sum[h][i], offset);
         }
       } else {
         for (index_t c = c_begin; c < c_end; c += 2) {
-          const __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              codes + (static_cast<std::size_t>(c / 2) * page_size + t0) * 2)));
+          __m512i k[kTiles];
+          for (int i = 0; i < kTiles; ++i) k[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(codes_at(c / 2, i)));
           KVPACK_UNROLL
           for (int h = 0; h < kG; ++h) {
-            sum[h] = _mm512_dpwssd_epi32(sum[h], k, _mm512_set1_epi32(q.pairs[(h0 + h) * pairs_per_head + c / 2]));
+            const __m512i qc = _mm512_set1_epi32(q.pairs[(h0 + h) * pairs_per_head + c / 2]);
+            KVPACK_UNROLL
+            for (int i = 0; i < kTiles; ++i) sum[h][i] = _mm512_dpwssd_epi32(sum[h][i], k[i], qc);
           }
         }
       }
-      for (int h = 0; h < kG; ++h) total[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h]), scale, total[h]);
+      for (int h = 0; h < kG; ++h) {
+        for (int i = 0; i < kTiles; ++i) {
+          total[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][i]), scale[i], total[h][i]);
+        }
+      }
     }
   }
   for (int h = 0; h < kG; ++h) {
-    _mm512_storeu_ps(scores + h * stride + t0, _mm512_mul_ps(total[h], _mm512_set1_ps(q.scale[h0 + h])));
+    for (int i = 0; i < kTiles; ++i) {
+      _mm512_storeu_ps(scores + h * stride + t0 + 16 * i, _mm512_mul_ps(total[h][i], _mm512_set1_ps(q.scale[h0 + h])));
+    }
   }
 }
 
@@ -331,14 +357,20 @@ void score_integer_keys_vnni(xsimd::avx512bw, const ScoreArgs<quant::NoParams>& 
     if (i + distance < run.count + run.prefetch) prefetch_payload(run.pages[i + distance], run.payload_bytes);
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
-    for (index_t t0 = 0; t0 < run.page_size; t0 += 16) {
-      for_each_head_block(args.group, [&](auto block, index_t h0) {
-        score_integer_tile_vnni<Codec, decltype(block)::value>(plane, codes_bytes, run.page_size,
-                                                               run.head_dim, t0, q, h0,
-                                                               scores + h0 * args.score_stride,
-                                                               args.score_stride);
-      });
-    }
+    for_each_head_block(args.group, [&](auto block, index_t h0) {
+      constexpr int kG = decltype(block)::value;
+      // Two 16-token tiles per pass give 2·kG chains; eight heads already give eight.
+      constexpr int kTiles = kG >= 8 ? 1 : 2;
+      index_t t0 = 0;
+      for (; t0 + 16 * kTiles <= run.page_size; t0 += 16 * kTiles) {
+        score_integer_tile_vnni<Codec, kG, kTiles>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
+                                                   scores + h0 * args.score_stride, args.score_stride);
+      }
+      for (; t0 < run.page_size; t0 += 16) {
+        score_integer_tile_vnni<Codec, kG, 1>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
+                                              scores + h0 * args.score_stride, args.score_stride);
+      }
+    });
     if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
   }
 }
@@ -383,7 +415,9 @@ inline void quantize_weights_int16(xsimd::avx512bw, const float* weights, index_
   }
 }
 
-template <class Codec, int kG>
+/// Values of kG heads for the channels from c0: q4_0 rows give two 16-channel tiles per load
+/// (low and high nibbles); 8-bit codes take kChunks 16-channel tiles. Either way 2·kG chains.
+template <class Codec, int kG, int kChunks>
 KVPACK_ALWAYS_INLINE void accumulate_integer_tile_vnni(const std::byte* plane, index_t page_size,
                                                        index_t head_dim, index_t blocks, index_t c0,
                                                        const Int16Weights& w, index_t h0, float* acc) noexcept {
@@ -391,45 +425,39 @@ KVPACK_ALWAYS_INLINE void accumulate_integer_tile_vnni(const std::byte* plane, i
   const index_t block_size = head_dim / blocks;
   const index_t b = c0 / block_size;
   const index_t pairs = page_size / 2;
-  if constexpr (IntegerPlane<Codec>::kNibbles) {
-    // One 32-byte row per (token pair, block) holds channels c0..c0+15 (low nibbles) and
-    // c0+16..c0+31 (high nibbles): both halves accumulate from one load.
-    __m512i low_sum[kG];
-    __m512i high_sum[kG];
-    for (int h = 0; h < kG; ++h) low_sum[h] = high_sum[h] = _mm512_setzero_si512();
-    for (index_t i = 0; i < pairs; ++i) {
+  constexpr int kTiles = IntegerPlane<Codec>::kNibbles ? 2 : kChunks;
+  __m512i sum[kG][kTiles];
+  for (auto& head : sum)
+    for (__m512i& x : head) x = _mm512_setzero_si512();
+  for (index_t i = 0; i < pairs; ++i) {
+    __m512i v[kTiles];
+    if constexpr (IntegerPlane<Codec>::kNibbles) {
+      // One 32-byte row per (token pair, block): channels c0..c0+15 in the low nibbles,
+      // c0+16..c0+31 in the high ones.
       const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
           codes + (static_cast<std::size_t>(i) * blocks + b) * 32)));
-      const __m512i low = _mm512_and_si512(raw, _mm512_set1_epi16(0xF));
-      const __m512i high = _mm512_srli_epi16(raw, 4);
-      KVPACK_UNROLL
-      for (int h = 0; h < kG; ++h) {
-        const __m512i weight = _mm512_set1_epi32(w.pairs[(static_cast<std::size_t>(h0 + h) * blocks + b) * pairs + i]);
-        low_sum[h] = _mm512_dpwssd_epi32(low_sum[h], low, weight);
-        high_sum[h] = _mm512_dpwssd_epi32(high_sum[h], high, weight);
+      v[0] = _mm512_and_si512(raw, _mm512_set1_epi16(0xF));
+      v[1] = _mm512_srli_epi16(raw, 4);
+    } else {
+      for (int j = 0; j < kTiles; ++j) {
+        v[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            codes + (static_cast<std::size_t>(i) * head_dim + c0 + 16 * j) * 2)));
       }
     }
+    KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
-      const __m512i offset = _mm512_set1_epi32(8 * w.sums[(h0 + h) * blocks + b]);
-      const __m512 scale = _mm512_set1_ps(w.scale[(h0 + h) * blocks + b]);
-      float* out = acc + h * head_dim + c0;
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(low_sum[h], offset)), scale, _mm512_loadu_ps(out)));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(high_sum[h], offset)), scale, _mm512_loadu_ps(out + 16)));
-    }
-  } else {
-    __m512i sum[kG];
-    for (int h = 0; h < kG; ++h) sum[h] = _mm512_setzero_si512();
-    for (index_t i = 0; i < pairs; ++i) {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-          codes + (static_cast<std::size_t>(i) * head_dim + c0) * 2)));
+      const __m512i weight = _mm512_set1_epi32(w.pairs[(static_cast<std::size_t>(h0 + h) * blocks + b) * pairs + i]);
       KVPACK_UNROLL
-      for (int h = 0; h < kG; ++h) {
-        sum[h] = _mm512_dpwssd_epi32(sum[h], v, _mm512_set1_epi32(w.pairs[(static_cast<std::size_t>(h0 + h) * blocks + b) * pairs + i]));
-      }
+      for (int j = 0; j < kTiles; ++j) sum[h][j] = _mm512_dpwssd_epi32(sum[h][j], v[j], weight);
     }
-    for (int h = 0; h < kG; ++h) {
-      float* out = acc + h * head_dim + c0;
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h]), _mm512_set1_ps(w.scale[(h0 + h) * blocks + b]), _mm512_loadu_ps(out)));
+  }
+  for (int h = 0; h < kG; ++h) {
+    const __m512 scale = _mm512_set1_ps(w.scale[(h0 + h) * blocks + b]);
+    const __m512i offset = _mm512_set1_epi32(IntegerPlane<Codec>::kNibbles ? 8 * w.sums[(h0 + h) * blocks + b] : 0);
+    for (int j = 0; j < kTiles; ++j) {
+      float* out = acc + h * head_dim + c0 + 16 * j;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[h][j], offset)), scale,
+                                            _mm512_loadu_ps(out)));
     }
   }
 }
@@ -442,18 +470,34 @@ void accumulate_integer_values_vnni(xsimd::avx512bw, const AccumulateArgs<quant:
   const std::size_t pair_count = static_cast<std::size_t>(args.group) * blocks * (run.page_size / 2);
   const Int16Weights w{reinterpret_cast<std::int32_t*>(args.scratch), args.scratch + pair_count,
                        reinterpret_cast<std::int32_t*>(args.scratch + pair_count + args.group * blocks)};
-  const index_t step = IntegerPlane<Codec>::kNibbles ? 32 : 16;
+  const index_t block_size = run.head_dim / blocks;
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     quantize_weights_int16(xsimd::avx512bw{}, args.weights + i * run.page_size, args.weight_stride, args.group, plane,
                            codes_bytes, run.page_size, blocks, w);
-    for (index_t c0 = 0; c0 < run.head_dim; c0 += step) {
-      for_each_head_block(args.group, [&](auto block, index_t h0) {
-        accumulate_integer_tile_vnni<Codec, decltype(block)::value>(plane, run.page_size, run.head_dim,
-                                                                    blocks, c0, w, h0,
-                                                                    args.acc + h0 * run.head_dim);
-      });
-    }
+    for_each_head_block(args.group, [&](auto block, index_t h0) {
+      constexpr int kG = decltype(block)::value;
+      float* acc = args.acc + h0 * run.head_dim;
+      if constexpr (IntegerPlane<Codec>::kNibbles) {
+        for (index_t c0 = 0; c0 < run.head_dim; c0 += 32) {
+          accumulate_integer_tile_vnni<Codec, kG, 2>(plane, run.page_size, run.head_dim, blocks, c0, w, h0, acc);
+        }
+      } else {
+        // Two 16-channel chunks at a time when both lie in one scale block.
+        index_t c0 = 0;
+        for (; c0 + 32 <= run.head_dim; c0 += 32) {
+          if (c0 / block_size == (c0 + 31) / block_size) {
+            accumulate_integer_tile_vnni<Codec, kG, 2>(plane, run.page_size, run.head_dim, blocks, c0, w, h0, acc);
+          } else {
+            accumulate_integer_tile_vnni<Codec, kG, 1>(plane, run.page_size, run.head_dim, blocks, c0, w, h0, acc);
+            accumulate_integer_tile_vnni<Codec, kG, 1>(plane, run.page_size, run.head_dim, blocks, c0 + 16, w, h0, acc);
+          }
+        }
+        for (; c0 < run.head_dim; c0 += 16) {
+          accumulate_integer_tile_vnni<Codec, kG, 1>(plane, run.page_size, run.head_dim, blocks, c0, w, h0, acc);
+        }
+      }
+    });
   }
 }
 
@@ -473,9 +517,12 @@ void score_integer_keys(A arch, const ScoreArgs<quant::NoParams>& args) noexcept
 template <class Codec, class A>
 void accumulate_integer_values(A arch, const AccumulateArgs<quant::NoParams>& args) noexcept {
 #if KVPACK_KERNELS_HAVE_VNNI
+  // Value tiles are 16 channels wide; narrower heads (int8 allows head_dim 8) take the FMA path.
   if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
-    accumulate_integer_values_vnni<Codec>(arch, args);
-    return;
+    if (args.run.head_dim % 16 == 0) {
+      accumulate_integer_values_vnni<Codec>(arch, args);
+      return;
+    }
   }
 #endif
   accumulate_integer_values_fma<Codec>(arch, args);

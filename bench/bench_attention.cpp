@@ -1,0 +1,217 @@
+// kvpack_bench_attention: decode attention at the Llama-3.1-8B shape (32 query heads, 8 KV heads,
+// head_dim 128) for 4K, 32K and 128K contexts, every codec, 1 and 2 threads, next to a plain
+// streaming read of 1 GiB (BM_StreamRead) so the fraction of the memory limit is visible in one
+// run. Each iteration attends one layer; iterations rotate over enough layers that the KV bytes
+// read (>= 512 MiB) cannot stay in any cache, so the numbers are DRAM numbers.
+//
+// Counters: kv_GBps (encoded bytes read per second: pages with their scales, plus the fp32 tail),
+// bytes_per_token (those bytes per token of one layer, all KV heads), GMACps (score and value
+// multiply-adds per second), tokens_per_s (decode steps per second of a 32-layer model at this
+// context, attention only), speedup_vs_fp16 (fp16's time per layer / this codec's, same run).
+
+#include <benchmark/benchmark.h>
+#include <fmt/core.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_codecs.hpp"
+#include "kvpack/kvpack.hpp"
+
+namespace {
+
+using namespace kvpack;
+
+constexpr ModelShape kLayerShape{1, 32, 8, 128};  // one Llama-3.1-8B layer
+constexpr std::size_t kWorkingSetBytes = std::size_t{512} << 20;
+constexpr int kModelLayers = 32;
+
+/// One pool of threads per thread count, shared by every benchmark.
+ThreadPool& pool_of(int threads) {
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  auto& pool = pools[threads];
+  if (!pool) pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads));
+  return *pool;
+}
+
+// --- BM_StreamRead ----------------------------------------------------------------------------
+
+/// Sums 64-bit words with four independent accumulators: the loop is load-bound, so its rate is
+/// the memory system's, whatever vector width the compiler picks.
+std::uint64_t sum_words(const std::uint64_t* p, std::size_t n) {
+  std::uint64_t a = 0, b = 0, c = 0, d = 0;
+  for (std::size_t i = 0; i + 4 <= n; i += 4) {
+    a += p[i];
+    b += p[i + 1];
+    c += p[i + 2];
+    d += p[i + 3];
+  }
+  return a + b + c + d;
+}
+
+void stream_read(benchmark::State& state, int threads) {
+  constexpr std::size_t kBytes = std::size_t{1} << 30;
+  static std::vector<std::uint64_t> buffer = [] {
+    std::vector<std::uint64_t> b(kBytes / sizeof(std::uint64_t));
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = i * 0x9E3779B97F4A7C15ull;  // touch every page
+    return b;
+  }();
+  ThreadPool& pool = pool_of(threads);
+  std::atomic<std::uint64_t> sink{0};
+  for (auto _ : state) {
+    const std::size_t share = buffer.size() / threads;
+    pool(threads, [&](index_t t) { sink += sum_words(buffer.data() + t * share, share); });
+  }
+  benchmark::DoNotOptimize(sink.load());
+  state.counters["GBps"] = benchmark::Counter(static_cast<double>(state.iterations()) * kBytes / 1e9,
+                                              benchmark::Counter::kIsRate);
+}
+
+// --- BM_Attend ----------------------------------------------------------------------------------
+
+/// A cache holding `layers` copies of one random context, built once per (codec, context) and
+/// shared by the 1- and 2-thread rows.
+struct AttendFixture {
+  virtual ~AttendFixture() = default;
+  /// One decode step of one layer; `pool` (nullptr: serial) spreads the KV streams.
+  virtual void attend(index_t layer, const std::vector<float>& q, std::vector<float>& out, ThreadPool* pool) = 0;
+  index_t layers = 0;
+  std::size_t bytes_per_layer = 0;
+};
+
+template <class Quantizer>
+struct CacheFixture final : AttendFixture {
+  using Cache = KVCache<layout::GQA, Quantizer>;
+  ThreadPool* pool = nullptr;  // read by the cache's executor on every attend
+  std::unique_ptr<Cache> cache;
+  SeqId seq = 0;
+
+  explicit CacheFixture(index_t context) {
+    // One layer's K and V: keys with a few large channels, as real models have.
+    const std::size_t elements = static_cast<std::size_t>(context) * kLayerShape.kv_heads * kLayerShape.head_dim;
+    std::vector<half> keys(elements), values(elements);
+    std::mt19937 rng(42);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t i = 0; i < elements; ++i) {
+      keys[i] = half(normal(rng) * (i % 128 < 4 ? 8.0f : 1.0f));
+      values[i] = half(normal(rng));
+    }
+    CacheConfig config;
+    config.executor = [this](index_t count, const std::function<void(index_t)>& task) {
+      if (pool != nullptr) {
+        (*pool)(count, task);
+      } else {
+        for (index_t i = 0; i < count; ++i) task(i);
+      }
+    };
+    ModelShape shape = kLayerShape;
+    {
+      const Cache probe(shape, config);
+      const std::size_t pages = static_cast<std::size_t>(context / probe.config().page_size) * shape.kv_heads;
+      bytes_per_layer = pages * probe.page_format_info().payload_bytes;
+    }
+    shape.layers = static_cast<index_t>(std::max<std::size_t>(2, (kWorkingSetBytes + bytes_per_layer - 1) / bytes_per_layer));
+    layers = shape.layers;
+    cache = std::make_unique<Cache>(shape, config);
+    seq = cache->add_sequence();
+    for (index_t layer = 0; layer < shape.layers; ++layer) {
+      cache->prefill(seq, layer, std::span<const half>(keys), std::span<const half>(values));
+    }
+  }
+
+  void attend(index_t layer, const std::vector<float>& q, std::vector<float>& out, ThreadPool* threads) override {
+    pool = threads;
+    cache->attend(seq, layer, std::span<const float>(q), std::span<float>(out), 0.0884f);
+  }
+};
+
+std::unique_ptr<AttendFixture>& current_fixture() {
+  static std::unique_ptr<AttendFixture> fixture;
+  return fixture;
+}
+std::string& current_key() {
+  static std::string key;
+  return key;
+}
+/// fp16's seconds per layer, by "context/threads": the baseline of speedup_vs_fp16.
+std::map<std::string, double>& fp16_seconds() {
+  static std::map<std::string, double> seconds;
+  return seconds;
+}
+
+template <class Quantizer>
+void attend_benchmark(benchmark::State& state, index_t context, int threads) {
+  const std::string key = fmt::format("{}/{}", Quantizer::name(), context);
+  if (current_key() != key) {
+    current_fixture().reset();  // free the previous codec's pages first
+    current_fixture() = std::make_unique<CacheFixture<Quantizer>>(context);
+    current_key() = key;
+  }
+  AttendFixture& fixture = *current_fixture();
+  std::vector<float> q(static_cast<std::size_t>(kLayerShape.q_heads) * kLayerShape.head_dim);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : q) x = normal(rng);
+  std::vector<float> out(q.size());
+  ThreadPool* pool = threads > 1 ? &pool_of(threads) : nullptr;
+  index_t layer = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    fixture.attend(layer, q, out, pool);
+    benchmark::DoNotOptimize(out.data());
+    layer = layer + 1 == fixture.layers ? 0 : layer + 1;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double iterations = static_cast<double>(state.iterations());
+  const std::string baseline_key = fmt::format("{}/{}", context, threads);
+  if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) fp16_seconds()[baseline_key] = seconds / iterations;
+  if (const auto it = fp16_seconds().find(baseline_key); it != fp16_seconds().end()) {
+    state.counters["speedup_vs_fp16"] = it->second / (seconds / iterations);
+  }
+  const double bytes = static_cast<double>(fixture.bytes_per_layer);
+  const double macs = 2.0 * context * kLayerShape.q_heads * kLayerShape.head_dim;
+  state.counters["kv_GBps"] = benchmark::Counter(iterations * bytes / 1e9, benchmark::Counter::kIsRate);
+  state.counters["GMACps"] = benchmark::Counter(iterations * macs / 1e9, benchmark::Counter::kIsRate);
+  state.counters["bytes_per_token"] = bytes / context;
+  state.counters["tokens_per_s"] =
+      benchmark::Counter(iterations / kModelLayers, benchmark::Counter::kIsRate);
+  state.counters["layers_in_rotation"] = fixture.layers;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  fmt::print(stderr, "kvpack_bench_attention: kernels for {} (KVPACK_ISA overrides)\n",
+             dispatch::active_cpu_isa());
+  for (int threads : {1, 2}) {
+    benchmark::RegisterBenchmark(fmt::format("BM_StreamRead/threads:{}", threads).c_str(),
+                                 [threads](benchmark::State& s) { stream_read(s, threads); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (index_t context : {4096, 32768, 131072}) {
+    bench::for_each_quantizer([&](auto quantizer) {
+      using Q = decltype(quantizer);
+      for (int threads : {1, 2}) {
+        benchmark::RegisterBenchmark(
+            fmt::format("BM_Attend<{}>/ctx:{}/threads:{}", bench::row_name<Q>(), context, threads).c_str(),
+            [context, threads](benchmark::State& s) { attend_benchmark<Q>(s, context, threads); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+    });
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

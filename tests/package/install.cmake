@@ -1,0 +1,22 @@
+# cmake -DBUILD_DIR=<build> -DPREFIX=<dir> [-DCONFIG=<cfg>] -P install.cmake
+# Installs the build into an emptied PREFIX, so no file from an earlier run can hide a missing one.
+cmake_minimum_required(VERSION 3.25)
+foreach(var BUILD_DIR PREFIX)
+  if(NOT ${var})
+    message(FATAL_ERROR "install.cmake: ${var} is not set")
+  endif()
+endforeach()
+file(REMOVE_RECURSE "${PREFIX}")
+set(config_args "")
+if(CONFIG)
+  set(config_args --config "${CONFIG}")
+endif()
+execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${PREFIX}" ${config_args}
+                RESULT_VARIABLE result)
+if(NOT result EQUAL 0)
+  message(FATAL_ERROR "cmake --install ${BUILD_DIR} --prefix ${PREFIX} failed: ${result}")
+endif()
+file(GLOB_RECURSE configs "${PREFIX}/*/kvpackConfig.cmake")
+if(NOT configs)
+  message(FATAL_ERROR "no kvpackConfig.cmake under ${PREFIX}")
+endif()

@@ -1,0 +1,130 @@
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "kvpack/paging/page_pool.hpp"
+
+using kvpack::PageId;
+using kvpack::paging::PageFormat;
+using kvpack::paging::PagePool;
+
+TEST_CASE("pages are distinct, aligned and keep their bytes while the pool grows", "[paging]") {
+  PagePool pool(PageFormat{4096, 136}, 10000);
+  std::vector<PageId> ids(3000);  // spans several doubling slabs (the first holds 64 pages)
+  pool.allocate(ids);
+  std::set<PageId> unique(ids.begin(), ids.end());
+  CHECK(unique.size() == ids.size());
+  std::set<const std::byte*> payloads;
+  for (PageId id : ids) {
+    CHECK(reinterpret_cast<std::uintptr_t>(pool.payload(id)) % 64 == 0);
+    CHECK(reinterpret_cast<std::uintptr_t>(pool.metadata(id)) % 8 == 0);
+    payloads.insert(pool.payload(id));
+    std::memset(pool.payload(id), static_cast<int>(id % 251), 4096);
+    std::memset(pool.metadata(id), static_cast<int>(id % 241), 136);
+  }
+  CHECK(payloads.size() == ids.size());
+  std::vector<PageId> more(5000);
+  pool.allocate(more);  // growth must not move earlier pages
+  for (PageId id : ids) {
+    const auto* p = pool.payload(id);
+    CHECK(std::all_of(p, p + 4096, [&](std::byte b) { return b == std::byte(id % 251); }));
+    const auto* m = pool.metadata(id);
+    CHECK(std::all_of(m, m + 136, [&](std::byte b) { return b == std::byte(id % 241); }));
+  }
+  CHECK(pool.pages_in_use() == 8000);
+  CHECK(pool.bytes_in_use() == 8000u * (4096 + 136));
+}
+
+TEST_CASE("exhaustion throws OutOfPages and takes nothing", "[paging]") {
+  PagePool pool(PageFormat{64, 8}, 10);
+  std::vector<PageId> seven(7);
+  pool.allocate(seven);
+  std::vector<PageId> five(5);
+  CHECK_THROWS_AS(pool.allocate(five), kvpack::OutOfPages);
+  try {
+    pool.allocate(five);
+  } catch (const kvpack::Error& e) {
+    CHECK(e.code() == kvpack::ErrorCode::kOutOfPages);
+    CHECK(std::string(e.what()).find("5 pages requested, 3 available of 10") != std::string::npos);
+  }
+  CHECK(pool.pages_in_use() == 7);
+  CHECK(pool.pages_available() == 3);
+  std::vector<PageId> three(3);
+  pool.allocate(three);
+  CHECK(pool.pages_available() == 0);
+  CHECK_THROWS_AS(pool.allocate_one(), kvpack::OutOfPages);
+}
+
+TEST_CASE("reference counts free a page on the last release, and freed pages are reused", "[paging]") {
+  PagePool pool(PageFormat{128, 8}, 4);
+  const PageId a = pool.allocate_one();
+  CHECK(pool.ref_count(a) == 1);
+  pool.retain(a);
+  pool.retain(a);
+  CHECK(pool.ref_count(a) == 3);
+  pool.release(a);
+  pool.release(a);
+  CHECK(pool.pages_in_use() == 1);
+  pool.release(a);
+  CHECK(pool.pages_in_use() == 0);
+  CHECK(pool.pages_available() == 4);
+  const PageId b = pool.allocate_one();
+  CHECK(b == a);  // LIFO free list: the warmest page comes back first
+  CHECK(pool.ref_count(b) == 1);
+}
+
+TEST_CASE("a pool rejects formats it cannot align", "[paging]") {
+  CHECK_THROWS_AS(PagePool(PageFormat{100, 8}, 4), kvpack::Error);
+  CHECK_THROWS_AS(PagePool(PageFormat{128, 12}, 4), kvpack::Error);
+  CHECK_THROWS_AS(PagePool(PageFormat{128, 8}, 0), kvpack::Error);
+}
+
+TEST_CASE("concurrent allocate, retain and release balance to zero", "[paging]") {
+  PagePool pool(PageFormat{256, 16}, 2000);
+  std::mutex held_mutex;
+  std::multiset<PageId> held;  // every page currently owned by some thread
+  auto worker = [&](unsigned seed) {
+    std::vector<PageId> mine;
+    for (int round = 0; round < 2000; ++round) {
+      seed = seed * 1664525u + 1013904223u;
+      if ((seed % 3 != 0 && mine.size() < 100) || mine.empty()) {
+        std::vector<PageId> got(1 + seed % 4);
+        pool.allocate(got);
+        std::lock_guard lock(held_mutex);
+        for (PageId id : got) {
+          CHECK(held.count(id) == 0);  // nobody else owns a page we were just given
+          held.insert(id);
+          mine.push_back(id);
+        }
+      } else {
+        const PageId id = mine.back();
+        mine.pop_back();
+        pool.retain(id);
+        pool.release(id);
+        {
+          std::lock_guard lock(held_mutex);
+          held.erase(held.find(id));
+        }
+        pool.release(id);
+      }
+    }
+    for (PageId id : mine) {
+      {
+        std::lock_guard lock(held_mutex);
+        held.erase(held.find(id));
+      }
+      pool.release(id);
+    }
+  };
+  std::thread a(worker, 1u), b(worker, 2u), c(worker, 3u);
+  a.join();
+  b.join();
+  c.join();
+  CHECK(pool.pages_in_use() == 0);
+  CHECK(pool.pages_available() == 2000);
+}
