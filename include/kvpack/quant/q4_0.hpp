@@ -29,6 +29,9 @@ struct Q4_0Codec {
     KVPACK_CHECK(g.head_dim % ggml::kBlockSize == 0, kUnsupported,
                  ::kvpack::detail::message("q4_0 quantizes blocks of 32 channels: head_dim ",
                                            g.head_dim, " is not a multiple of 32"));
+    // The value kernel keeps one scale maximum per block on the stack.
+    KVPACK_CHECK(g.head_dim <= 2048, kUnsupported,
+                 ::kvpack::detail::message("q4_0 supports head_dim up to 2048, got ", g.head_dim));
     KVPACK_CHECK(g.page_size % 2 == 0, kUnsupported,
                  ::kvpack::detail::message("q4_0 stores token pairs: page_size ", g.page_size,
                                            " must be even"));

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "kvpack/kernels/cpu/group_blocks.hpp"
+#include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/kernels/cpu/simd_compat.hpp"
 #include "kvpack/kernels/kernel_args.hpp"
 #include "kvpack/quant/float.hpp"
@@ -66,33 +67,25 @@ KVPACK_ALWAYS_INLINE void mask_dead_slots(const std::uint64_t* live, index_t pag
   }
 }
 
-/// Issues prefetches for a whole payload (both planes), one per cache line.
-KVPACK_ALWAYS_INLINE void prefetch_payload(const std::byte* payload, std::size_t bytes) noexcept {
-  for (std::size_t offset = 0; offset < bytes; offset += 64) {
-    __builtin_prefetch(payload + offset, 0, 3);
-  }
-}
-
-/// Pages ahead of the one being scored whose bytes are requested early; ~32 KiB in flight keeps
-/// the memory system busy while a compute-heavy page loop runs (see DESIGN.md §4).
-KVPACK_ALWAYS_INLINE index_t prefetch_distance(std::size_t payload_bytes) noexcept {
-  const std::size_t pages = (std::size_t{32} << 10) / (payload_bytes == 0 ? 1 : payload_bytes);
-  return static_cast<index_t>(pages < 1 ? 1 : (pages > 16 ? 16 : pages));
-}
-
 /// Independent FMA chains the kernels keep in flight: FMA latency (4 cycles) times issue width
 /// (2 per cycle). With fewer, a loop waits on its own accumulators instead of on memory.
 inline constexpr int kFmaChains = 8;
+
+/// Accumulator sets the channels of a score tile are split over, for kFmaChains chains.
+constexpr int channel_split(int heads, int tiles) noexcept {
+  return heads * tiles >= kFmaChains ? 1 : kFmaChains / (heads * tiles);
+}
 
 /// Scores of kG heads for kTiles·W tokens starting at t0 of a channel-major key plane. Channels
 /// are split over kSplit accumulator sets so that kG·kTiles·kSplit chains run in parallel.
 template <class Storage, int kG, int kTiles, class A>
 KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index_t page_size,
                                                    index_t head_dim, index_t t0, const float* q,
-                                                   float scale, float* scores, index_t stride) noexcept {
+                                                   float scale, float* scores, index_t stride,
+                                                   PagePrefetcher& prefetcher) noexcept {
   using batch = simd::f32<A>;
   constexpr index_t kWidth = static_cast<index_t>(batch::size);
-  constexpr int kSplit = kG * kTiles >= kFmaChains ? 1 : kFmaChains / (kG * kTiles);
+  constexpr int kSplit = channel_split(kG, kTiles);
   batch acc[kSplit][kG][kTiles];
   for (auto& split : acc)
     for (auto& head : split)
@@ -112,6 +105,7 @@ KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index
     }
   };
   for (index_t c = 0; c < split_end; c += kSplit) {
+    prefetcher.step();
     KVPACK_UNROLL
     for (int split = 0; split < kSplit; ++split) step(split, c + split);
   }
@@ -125,17 +119,28 @@ KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index
   }
 }
 
+/// Inner-loop steps score_element_keys takes per page (the prefetcher spreads over them).
+template <class A>
+index_t score_steps(index_t group, index_t page_size, index_t head_dim) noexcept {
+  constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+  index_t steps = 0;
+  for_each_head_block(group, [&](auto block, index_t) {
+    constexpr int kG = decltype(block)::value;
+    steps += page_size / (2 * kWidth) * (head_dim / channel_split(kG, 2)) +
+             page_size % (2 * kWidth) / kWidth * (head_dim / channel_split(kG, 1));
+  });
+  return steps;
+}
+
 /// Key kernel for element-wise formats (page_size must be a multiple of the vector width).
 template <class Storage, class Params, class A>
 void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
   const PageRun& run = args.run;
-  const index_t distance = prefetch_distance(run.payload_bytes);
   const float scale = plane_scale(args.params);
+  const index_t steps = score_steps<A>(args.group, run.page_size, run.head_dim);
   for (index_t i = 0; i < run.count; ++i) {
-    if (i + distance < run.count + run.prefetch) {
-      prefetch_payload(run.pages[i + distance], run.payload_bytes);
-    }
+    PagePrefetcher prefetcher(run, i, steps);
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
     for_each_head_block(args.group, [&](auto block, index_t h0) {
@@ -145,11 +150,11 @@ void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
       index_t t0 = 0;
       for (; t0 + 2 * kWidth <= run.page_size; t0 += 2 * kWidth) {
         score_channel_major_tile<Storage, kG, 2, A>(plane, run.page_size, run.head_dim, t0, q, scale, out,
-                                                    args.score_stride);
+                                                    args.score_stride, prefetcher);
       }
       for (; t0 < run.page_size; t0 += kWidth) {
         score_channel_major_tile<Storage, kG, 1, A>(plane, run.page_size, run.head_dim, t0, q, scale, out,
-                                                    args.score_stride);
+                                                    args.score_stride, prefetcher);
       }
     });
     if (run.live != nullptr) {

@@ -133,10 +133,9 @@ void score_integer_keys_fma(A, const ScoreArgs<quant::NoParams>& args) noexcept 
   const PageRun& run = args.run;
   const index_t blocks = run.head_dim / IntegerPlane<Codec>::scale_block(run.head_dim);
   const std::size_t codes_bytes = integer_codes_bytes<Codec>(run.page_size, run.head_dim);
-  const index_t distance = prefetch_distance(run.payload_bytes);
   float* duplicated_scales = args.scratch;  // [blocks][2 * page_size]
   for (index_t i = 0; i < run.count; ++i) {
-    if (i + distance < run.count + run.prefetch) prefetch_payload(run.pages[i + distance], run.payload_bytes);
+    PagePrefetcher prefetcher(run, i, run.page_size / (kWidth / 2));
     const std::byte* plane = run.pages[i];
     for (index_t b = 0; b < blocks; ++b) {
       for (index_t t = 0; t < run.page_size; ++t) {
@@ -147,6 +146,7 @@ void score_integer_keys_fma(A, const ScoreArgs<quant::NoParams>& args) noexcept 
     }
     float* scores = args.scores + i * run.page_size;
     for (index_t t0 = 0; t0 < run.page_size; t0 += kWidth / 2) {
+      prefetcher.step();
       for_each_head_block(args.group, [&](auto block, index_t h0) {
         score_integer_tile_fma<Codec, decltype(block)::value, A>(
             plane, run.page_size, run.head_dim, t0, args.queries + h0 * run.head_dim,
@@ -228,6 +228,18 @@ void accumulate_integer_values_fma(A, const AccumulateArgs<quant::NoParams>& arg
 // ---------------------------------------------------------------------------------------------
 #if KVPACK_KERNELS_HAVE_VNNI
 
+/// acc + Σ pairs of a·b per 32-bit lane (vpdpwssd). GCC 12 surrounds the builtin with a register
+/// copy of the accumulator for every call (measured 1.45x slower score loops); the same
+/// instruction through inline asm keeps the accumulator in place.
+KVPACK_ALWAYS_INLINE __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) noexcept {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#else
+  return _mm512_dpwssd_epi32(acc, a, b);
+#endif
+}
+
 /// Largest |int16| used: symmetric, so negation never overflows.
 inline constexpr float kInt16Max = 32767.0f;
 /// Channels summed in int32 before converting: 256 · 32767 · 127 < 2^31.
@@ -241,28 +253,36 @@ struct Int16Query {
 };
 
 // The xsimd::avx512bw parameter tags the symbol with its instruction set (STYLE.md §5.2).
-inline Int16Query quantize_query_int16(xsimd::avx512bw, const float* q, index_t group, index_t head_dim, float* scratch) noexcept {
+inline Int16Query quantize_query_int16(xsimd::avx512bw, const float* q, index_t group, index_t head_dim,
+                                       float* scratch) noexcept {
   Int16Query out{reinterpret_cast<std::int32_t*>(scratch), scratch + group * head_dim / 2,
                  reinterpret_cast<std::int32_t*>(scratch + group * head_dim / 2 + group)};
+  const index_t vector_end = head_dim - head_dim % 16;
   for (index_t h = 0; h < group; ++h) {
     const float* row = q + h * head_dim;
-    float amax = 0.0f;
-    for (index_t c = 0; c < head_dim; ++c) amax = std::max(amax, std::fabs(row[c]));
+    __m512 lanes = _mm512_setzero_ps();
+    for (index_t c = 0; c < vector_end; c += 16) lanes = _mm512_max_ps(lanes, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
+    float amax = _mm512_reduce_max_ps(lanes);
+    for (index_t c = vector_end; c < head_dim; ++c) amax = std::max(amax, std::fabs(row[c]));
     const float scale = amax > 0.0f ? amax / kInt16Max : 1.0f;
     const float inverse = 1.0f / scale;
     out.scale[h] = scale;
-    std::int32_t block_sum = 0;
-    for (index_t c = 0; c < head_dim; c += 2) {
+    // Little-endian int16 pairs: element c is the low half of pairs[c / 2] when c is even.
+    auto* q16 = reinterpret_cast<std::int16_t*>(out.pairs + h * head_dim / 2);
+    for (index_t c = 0; c < vector_end; c += 16) {
       // Clamped: amax · (1/scale) may round to just above 32767.
-      const auto lo = static_cast<std::int16_t>(std::clamp(std::nearbyint(row[c] * inverse), -kInt16Max, kInt16Max));
-      const auto hi = static_cast<std::int16_t>(std::clamp(std::nearbyint(row[c + 1] * inverse), -kInt16Max, kInt16Max));
-      out.pairs[h * head_dim / 2 + c / 2] =
-          static_cast<std::int32_t>(static_cast<std::uint16_t>(lo) | (static_cast<std::uint32_t>(static_cast<std::uint16_t>(hi)) << 16));
-      block_sum += lo + hi;
-      if ((c + 2) % 32 == 0) {
-        out.block_sums[h * (head_dim / 32) + c / 32] = block_sum;
-        block_sum = 0;
-      }
+      const __m512 scaled = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(inverse)),
+                                                        _mm512_set1_ps(-kInt16Max)),
+                                          _mm512_set1_ps(kInt16Max));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(scaled)));
+    }
+    for (index_t c = vector_end; c < head_dim; ++c) {
+      q16[c] = static_cast<std::int16_t>(std::clamp(std::nearbyint(row[c] * inverse), -kInt16Max, kInt16Max));
+    }
+    for (index_t b = 0; b < head_dim / 32; ++b) {
+      std::int32_t sum = 0;
+      for (index_t c = 32 * b; c < 32 * b + 32; ++c) sum += q16[c];
+      out.block_sums[h * (head_dim / 32) + b] = sum;
     }
   }
   return out;
@@ -274,7 +294,7 @@ template <class Codec, int kG, int kTiles>
 KVPACK_ALWAYS_INLINE void score_integer_tile_vnni(const std::byte* plane, std::size_t codes_bytes,
                                                   index_t page_size, index_t head_dim, index_t t0,
                                                   const Int16Query& q, index_t h0, float* scores,
-                                                  index_t stride) noexcept {
+                                                  index_t stride, PagePrefetcher& prefetcher) noexcept {
   const index_t block = IntegerPlane<Codec>::scale_block(head_dim);
   const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
   const index_t pairs_per_head = head_dim / 2;
@@ -298,6 +318,7 @@ KVPACK_ALWAYS_INLINE void score_integer_tile_vnni(const std::byte* plane, std::s
       if constexpr (IntegerPlane<Codec>::kNibbles) {
         // Row (b·8 + pair) holds channel pair b·32 + 2·pair (low nibbles) and that + 16 (high).
         for (index_t pair = 0; pair < 8; ++pair) {
+          prefetcher.step();
           __m512i low[kTiles], high[kTiles];
           for (int i = 0; i < kTiles; ++i) {
             const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(codes_at(b * 8 + pair, i)));
@@ -312,8 +333,8 @@ KVPACK_ALWAYS_INLINE void score_integer_tile_vnni(const std::byte* plane, std::s
             const __m512i q_high = _mm512_set1_epi32(qp[p + 8]);
             KVPACK_UNROLL
             for (int i = 0; i < kTiles; ++i) {
-              sum[h][i] = _mm512_dpwssd_epi32(sum[h][i], low[i], q_low);
-              sum[h][i] = _mm512_dpwssd_epi32(sum[h][i], high[i], q_high);
+              sum[h][i] = dot_pairs(sum[h][i], low[i], q_low);
+              sum[h][i] = dot_pairs(sum[h][i], high[i], q_high);
             }
           }
         }
@@ -323,13 +344,14 @@ KVPACK_ALWAYS_INLINE void score_integer_tile_vnni(const std::byte* plane, std::s
         }
       } else {
         for (index_t c = c_begin; c < c_end; c += 2) {
+          prefetcher.step();
           __m512i k[kTiles];
           for (int i = 0; i < kTiles; ++i) k[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(codes_at(c / 2, i)));
           KVPACK_UNROLL
           for (int h = 0; h < kG; ++h) {
             const __m512i qc = _mm512_set1_epi32(q.pairs[(h0 + h) * pairs_per_head + c / 2]);
             KVPACK_UNROLL
-            for (int i = 0; i < kTiles; ++i) sum[h][i] = _mm512_dpwssd_epi32(sum[h][i], k[i], qc);
+            for (int i = 0; i < kTiles; ++i) sum[h][i] = dot_pairs(sum[h][i], k[i], qc);
           }
         }
       }
@@ -351,10 +373,12 @@ template <class Codec>
 void score_integer_keys_vnni(xsimd::avx512bw, const ScoreArgs<quant::NoParams>& args) noexcept {
   const PageRun& run = args.run;
   const std::size_t codes_bytes = integer_codes_bytes<Codec>(run.page_size, run.head_dim);
-  const index_t distance = prefetch_distance(run.payload_bytes);
   const Int16Query q = quantize_query_int16(xsimd::avx512bw{}, args.queries, args.group, run.head_dim, args.scratch);
+  // Inner steps per page for a group of up to four heads: two 16-token tiles per pass.
+  const index_t steps = std::max<index_t>(1, run.page_size / 32) *
+                        (IntegerPlane<Codec>::kNibbles ? run.head_dim / 4 : run.head_dim / 2);
   for (index_t i = 0; i < run.count; ++i) {
-    if (i + distance < run.count + run.prefetch) prefetch_payload(run.pages[i + distance], run.payload_bytes);
+    PagePrefetcher prefetcher(run, i, steps);
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
     for_each_head_block(args.group, [&](auto block, index_t h0) {
@@ -364,11 +388,12 @@ void score_integer_keys_vnni(xsimd::avx512bw, const ScoreArgs<quant::NoParams>& 
       index_t t0 = 0;
       for (; t0 + 16 * kTiles <= run.page_size; t0 += 16 * kTiles) {
         score_integer_tile_vnni<Codec, kG, kTiles>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
-                                                   scores + h0 * args.score_stride, args.score_stride);
+                                                   scores + h0 * args.score_stride, args.score_stride,
+                                                   prefetcher);
       }
       for (; t0 < run.page_size; t0 += 16) {
         score_integer_tile_vnni<Codec, kG, 1>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
-                                              scores + h0 * args.score_stride, args.score_stride);
+                                              scores + h0 * args.score_stride, args.score_stride, prefetcher);
       }
     });
     if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
@@ -381,32 +406,44 @@ struct Int16Weights {
   std::int32_t* pairs;  // [group][blocks][page_size / 2]
   float* scale;         // [group][blocks]
   std::int32_t* sums;   // [group][blocks]: Σ_t w16 (q4_0's −8 offset)
+  float* unit_scales;   // [blocks][page_size]: scale(t, b) / max_t |scale(t, b)| · 32767
 };
 
+/// w_t · scale(t, b) in int16, per head and block, with the step p_max(h) · s_max(b) / 32767: the
+/// scales are normalised once per page for all heads, so each (head, block) costs one multiply,
+/// one conversion and one pack per 16 tokens. That step bounds every |w·s| (p ≤ p_max, |s| ≤
+/// s_max), so nothing saturates, and its rounding error is at most half a step per weight.
 inline void quantize_weights_int16(xsimd::avx512bw, const float* weights, index_t weight_stride, index_t group,
                                    const std::byte* plane, std::size_t codes_bytes, index_t page_size,
                                    index_t blocks, const Int16Weights& out) noexcept {
+  float scale_max[64];  // blocks <= head_dim / 32 <= 64 (head_dim <= 2048)
+  for (index_t b = 0; b < blocks; ++b) {
+    __m512 lanes = _mm512_setzero_ps();
+    float* unit = out.unit_scales + static_cast<std::size_t>(b) * page_size;
+    for (index_t t = 0; t < page_size; t += 16) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          plane + codes_bytes + (static_cast<std::size_t>(b) * page_size + t) * 2)));
+      _mm512_storeu_ps(unit + t, s);
+      lanes = _mm512_max_ps(lanes, _mm512_abs_ps(s));
+    }
+    scale_max[b] = _mm512_reduce_max_ps(lanes);
+    const __m512 normalise = _mm512_set1_ps(scale_max[b] > 0.0f ? kInt16Max / scale_max[b] : 0.0f);
+    for (index_t t = 0; t < page_size; t += 16) _mm512_storeu_ps(unit + t, _mm512_mul_ps(_mm512_loadu_ps(unit + t), normalise));
+  }
   for (index_t h = 0; h < group; ++h) {
     const float* w = weights + h * weight_stride;
+    __m512 lanes = _mm512_setzero_ps();
+    for (index_t t = 0; t < page_size; t += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(w + t));
+    const float p_max = _mm512_reduce_max_ps(lanes);  // weights are exp(·) >= 0
+    const __m512 p_normalise = _mm512_set1_ps(p_max > 0.0f ? 1.0f / p_max : 0.0f);
     for (index_t b = 0; b < blocks; ++b) {
-      __m512 amax = _mm512_setzero_ps();
-      for (index_t t = 0; t < page_size; t += 16) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            plane + codes_bytes + (static_cast<std::size_t>(b) * page_size + t) * 2)));
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(w + t), s)));
-      }
-      const float top = _mm512_reduce_max_ps(amax);
-      const float scale = top > 0.0f ? top / kInt16Max : 0.0f;
-      const float inverse = top > 0.0f ? kInt16Max / top : 0.0f;
-      out.scale[h * blocks + b] = scale;
+      out.scale[h * blocks + b] = p_max * scale_max[b] / kInt16Max;
       auto* w16 = reinterpret_cast<std::int16_t*>(out.pairs + (static_cast<std::size_t>(h) * blocks + b) * (page_size / 2));
+      const float* unit = out.unit_scales + static_cast<std::size_t>(b) * page_size;
       __m512i sum = _mm512_setzero_si512();
       for (index_t t = 0; t < page_size; t += 16) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            plane + codes_bytes + (static_cast<std::size_t>(b) * page_size + t) * 2)));
-        const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(w + t), s), _mm512_set1_ps(inverse));
-        const __m512i q = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(scaled, _mm512_set1_ps(kInt16Max)),
-                                                           _mm512_set1_ps(-kInt16Max)));
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(w + t), p_normalise);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(p, _mm512_loadu_ps(unit + t)));
         sum = _mm512_add_epi32(sum, q);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16 + t), _mm512_cvtsepi32_epi16(q));
       }
@@ -448,7 +485,7 @@ KVPACK_ALWAYS_INLINE void accumulate_integer_tile_vnni(const std::byte* plane, i
     for (int h = 0; h < kG; ++h) {
       const __m512i weight = _mm512_set1_epi32(w.pairs[(static_cast<std::size_t>(h0 + h) * blocks + b) * pairs + i]);
       KVPACK_UNROLL
-      for (int j = 0; j < kTiles; ++j) sum[h][j] = _mm512_dpwssd_epi32(sum[h][j], v[j], weight);
+      for (int j = 0; j < kTiles; ++j) sum[h][j] = dot_pairs(sum[h][j], v[j], weight);
     }
   }
   for (int h = 0; h < kG; ++h) {
@@ -468,8 +505,10 @@ void accumulate_integer_values_vnni(xsimd::avx512bw, const AccumulateArgs<quant:
   const index_t blocks = run.head_dim / IntegerPlane<Codec>::scale_block(run.head_dim);
   const std::size_t codes_bytes = integer_codes_bytes<Codec>(run.page_size, run.head_dim);
   const std::size_t pair_count = static_cast<std::size_t>(args.group) * blocks * (run.page_size / 2);
-  const Int16Weights w{reinterpret_cast<std::int32_t*>(args.scratch), args.scratch + pair_count,
-                       reinterpret_cast<std::int32_t*>(args.scratch + pair_count + args.group * blocks)};
+  float* const after_pairs = args.scratch + pair_count;
+  const Int16Weights w{reinterpret_cast<std::int32_t*>(args.scratch), after_pairs,
+                       reinterpret_cast<std::int32_t*>(after_pairs + args.group * blocks),
+                       after_pairs + 2 * args.group * blocks};
   const index_t block_size = run.head_dim / blocks;
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
