@@ -12,6 +12,7 @@
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
+#include "support/error_bound.hpp"
 
 namespace kvpack::test {
 
@@ -50,11 +51,15 @@ class ReferenceCache {
     return n >= tail_tokens_ + page_size_ ? (n - tail_tokens_) / page_size_ : 0;
   }
 
-  /// The largest |value| a head of `layer` attends over, after the codec round trip.
-  /// `params(s)` gives the (key, value) codec parameters of stream s.
+  /// Exact attention over the tokens as the cache stores them (paged tokens through the codecs'
+  /// round trip). `params(s)` gives the (key, value) codec parameters of stream s. `bounds`, when
+  /// given, receives per query head the kernels' error bound (support/error_bound.hpp) for the
+  /// given operand kinds.
   template <class ParamsOf>
   std::vector<double> attend(const Quantizer& q, SeqId id, index_t layer, const std::vector<float>& query,
-                             float scale, ParamsOf params, double* max_abs_value = nullptr) const {
+                             float scale, ParamsOf params, std::vector<double>* bounds = nullptr,
+                             Operands key_operands = Operands::kFloat,
+                             Operands value_operands = Operands::kFloat) const {
     const Layer& l = sequences_.at(id)[layer];
     const index_t d = shape_.head_dim;
     const index_t n = l.tokens(row());
@@ -73,11 +78,27 @@ class ReferenceCache {
         }
       }
       std::vector<std::byte> key_plane(q.key.plane_bytes(geometry)), value_plane(q.value.plane_bytes(geometry));
+      DecodedTokens tokens;
+      tokens.page_size = page_size_;
       for (index_t first = 0; first < paged; first += page_size_) {
         q.key.encode(geometry, &keys[first * d], d, key_params, key_plane.data());
         q.key.decode(geometry, key_plane.data(), key_params, &keys[first * d]);
         q.value.encode(geometry, &values[first * d], d, value_params, value_plane.data());
         q.value.decode(geometry, value_plane.data(), value_params, &values[first * d]);
+        double page_max = 0.0;
+        for (index_t i = first * d; i < (first + page_size_) * d; ++i) page_max = std::max(page_max, static_cast<double>(std::fabs(values[i])));
+        tokens.page_max_value.push_back(page_max);
+      }
+      if (bounds != nullptr) {
+        for (index_t t = 0; t < n; ++t) {
+          tokens.keys.emplace_back(&keys[t * d], &keys[t * d] + d);
+          tokens.values.emplace_back(&values[t * d], &values[t * d] + d);
+          tokens.page_of.push_back(t < paged ? t / page_size_ : -1);
+        }
+        bounds->resize(static_cast<std::size_t>(shape_.q_heads));
+        for (index_t h = s * g; h < (s + 1) * g; ++h) {
+          (*bounds)[h] = attention_error_bound(tokens, &query[h * d], d, scale, key_operands, value_operands);
+        }
       }
       for (index_t h = s * g; h < (s + 1) * g; ++h) {
         std::vector<double> scores(n);
@@ -95,9 +116,6 @@ class ReferenceCache {
           for (index_t c = 0; c < d; ++c) out[h * d + c] += w * values[t * d + c];
         }
         for (index_t c = 0; c < d; ++c) out[h * d + c] /= sum;
-      }
-      if (max_abs_value != nullptr) {
-        for (float v : values) *max_abs_value = std::max(*max_abs_value, static_cast<double>(std::fabs(v)));
       }
     }
     return out;

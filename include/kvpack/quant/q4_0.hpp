@@ -32,9 +32,9 @@ struct Q4_0Codec {
     // The value kernel keeps one scale maximum per block on the stack.
     KVPACK_CHECK(g.head_dim <= 2048, kUnsupported,
                  ::kvpack::detail::message("q4_0 supports head_dim up to 2048, got ", g.head_dim));
-    KVPACK_CHECK(g.page_size % 2 == 0, kUnsupported,
-                 ::kvpack::detail::message("q4_0 stores token pairs: page_size ", g.page_size,
-                                           " must be even"));
+    KVPACK_CHECK(g.page_size % 4 == 0, kUnsupported,
+                 ::kvpack::detail::message("q4_0 stores token quads: page_size ", g.page_size,
+                                           " must be a multiple of 4"));
   }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
     return codes_bytes(g) + scale_count(g) * sizeof(std::uint16_t);

@@ -10,8 +10,11 @@
 /// - value plane: pairs of adjacent *tokens*, channels along the vector: for token pair i and
 ///   channel c, bytes (2i, c) and (2i+1, c) sit side by side, 16 channels = 32 consecutive bytes.
 ///   Lane c accumulates w_2i·v_2i,c + w_2i+1·v_2i+1,c.
-/// 4-bit codes (q4_0) put two such tiles in one byte array: the low nibbles hold channels 0–15 of
-/// a 32-channel block and the high nibbles channels 16–31, as ggml's own q4_0 nibble order does.
+/// 4-bit codes (q4_0) are kernels' `vpdpbusd` operands (four u8·s8 products per 32-bit lane), so
+/// they come in quads instead of pairs: four channels of a token (keys) or four tokens of a channel
+/// (values) per 32-bit lane. The low nibbles hold channels 0–15 of a 32-channel block and the high
+/// nibbles channels 16–31, as ggml's own q4_0 nibble order does, so one 64-byte load gives two
+/// 16-lane tiles.
 
 #include <cstddef>
 
@@ -35,22 +38,23 @@ struct NibbleAddress {
   int nibble;
 };
 
-/// q4_0 key plane: for block b (32 channels), channel pair jj (0–7) of each half of the block, and
-/// token t: two bytes (channel 32b+2jj+s low, channel 32b+16+2jj+s high, s = 0, 1).
+/// q4_0 key plane: for block b (32 channels), channel quad j (0–3) of each half of the block,
+/// and token t: four bytes, byte k holding channel 32b+4j+k (low nibble) and 32b+16+4j+k (high).
+/// 16 tokens of a (block, quad) row are 64 consecutive bytes. Needs page_size % 4 == 0.
 [[nodiscard]] constexpr NibbleAddress key_nibble(PageGeometry g, index_t t, index_t c) noexcept {
   const index_t block = c / 32;
   const index_t in_block = c % 32;
-  const index_t pair = (in_block % 16) / 2;
-  const std::size_t row = static_cast<std::size_t>(block) * 8 + pair;
-  return {(row * g.page_size + t) * 2 + in_block % 2, in_block / 16};
+  const std::size_t row = static_cast<std::size_t>(block) * 4 + (in_block % 16) / 4;
+  return {(row * g.page_size + t) * 4 + in_block % 4, in_block / 16};
 }
 
-/// q4_0 value plane: for token pair i, block b, channel k (0–15) of each half of the block: two
-/// bytes (token 2i+s), low nibble channel 32b+k, high nibble channel 32b+16+k.
+/// q4_0 value plane: for token quad i, block b, channel k (0–15) of each half of the block: four
+/// bytes (token 4i+s), low nibble channel 32b+k, high nibble channel 32b+16+k. One (quad, block)
+/// row is 64 consecutive bytes.
 [[nodiscard]] constexpr NibbleAddress value_nibble(PageGeometry g, index_t t, index_t c) noexcept {
   const index_t in_block = c % 32;
-  const std::size_t row = static_cast<std::size_t>(t / 2) * (g.head_dim / 32) + c / 32;
-  return {(row * 16 + in_block % 16) * 2 + t % 2, in_block / 16};
+  const std::size_t row = static_cast<std::size_t>(t / 4) * (g.head_dim / 32) + c / 32;
+  return {(row * 16 + in_block % 16) * 4 + t % 4, in_block / 16};
 }
 
 }  // namespace kvpack::inline v0::quant::tile

@@ -86,15 +86,14 @@ void run_random_operations(index_t tail_tokens, std::uint32_t seed) {
       const auto query = test::random_rows(shape.q_heads, shape.head_dim, ++data_seed, 2, 3.0f);
       std::vector<float> out(query.size());
       cache.attend(id, layer, std::span<const float>(query), std::span<float>(out), scale);
-      double max_value = 0.0;
+      std::vector<double> bounds;
       const auto expected = model.attend(
           cache.quantizer(), id, layer, query, scale, [&](index_t s) { return cache.codec_params(layer, s); },
-          &max_value);
-      // The kernels' own bound (see tests/unit/kernels): int16 query and weights on AVX-512.
-      const double bound = 2e-3 * max_value + 1e-5;
+          &bounds, test::active_operands<typename Quantizer::key_codec>(),
+          test::active_operands<typename Quantizer::value_codec>());
       for (std::size_t i = 0; i < out.size(); ++i) {
         INFO("step " << step << " seq " << id << " layer " << layer << " element " << i);
-        REQUIRE(std::fabs(out[i] - expected[i]) <= bound);
+        REQUIRE(std::fabs(out[i] - expected[i]) <= bounds[i / shape.head_dim]);
       }
       ++attends;
     }

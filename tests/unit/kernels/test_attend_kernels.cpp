@@ -15,6 +15,7 @@
 #include "kvpack/kernels/attend_stream.hpp"
 #include "kvpack/kernels/reference.hpp"
 #include "kvpack/kvpack.hpp"
+#include "support/error_bound.hpp"
 #include "support/random_kv.hpp"
 
 namespace {
@@ -88,55 +89,40 @@ struct StreamFixture {
   }
 };
 
-template <class Codec>
-constexpr bool kIntegerCodec = !std::is_same_v<typename Codec::params_type, quant::FP8Params> &&
-                               !std::is_same_v<Codec, quant::FloatCodec<float, Plane::kKey>> &&
-                               !std::is_same_v<Codec, quant::FloatCodec<float, Plane::kValue>> &&
-                               !std::is_same_v<Codec, quant::FloatCodec<half, Plane::kKey>> &&
-                               !std::is_same_v<Codec, quant::FloatCodec<half, Plane::kValue>> &&
-                               !std::is_same_v<Codec, quant::FloatCodec<bfloat16, Plane::kKey>> &&
-                               !std::is_same_v<Codec, quant::FloatCodec<bfloat16, Plane::kValue>>;
 
-/// The bound on |SIMD - reference| per output element, from the kernels' arithmetic:
-/// - fp32 accumulation in a different order: relative 1e-5 of the largest value;
-/// - on the AVX-512 integer path, the int16 query moves each score by at most
-///   δ = max|q|/65534 · Σ_c |k̂_c| (rounding to ±0.5 of a step), which moves each normalised
-///   weight by a factor within e^{±2δ}: output error ≤ 2(e^{2δ} - 1)·max|v̂|;
-/// - and the int16 weights: each off by ≤ half a step of (page max of w·s)/32767; summed over a
-///   page of P slots and over pages (Σ_pages max_p ≤ Σ p = l) this is ≤ P/65534 · max|v̂|·1.01.
+/// The largest bound of support/error_bound.hpp over the group's heads.
 template <class Fixture>
-double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool int16_path) {
-  using KeyCodec = typename Fixture::KeyCodec;
-  using ValueCodec = typename Fixture::ValueCodec;
+double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool vnni_path) {
   const index_t d = f.geometry.head_dim;
-  std::vector<float> decoded(static_cast<std::size_t>(f.geometry.page_size) * d);
-  double max_value = 0.0;
-  double max_key_l1 = 0.0;
-  auto visit = [&](const float* k, const float* v) {
-    double l1 = 0.0;
-    for (index_t c = 0; c < d; ++c) {
-      l1 += std::fabs(k[c]);
-      max_value = std::max(max_value, static_cast<double>(std::fabs(v[c])));
+  const index_t P = f.geometry.page_size;
+  test::DecodedTokens tokens;
+  tokens.page_size = P;
+  std::vector<float> k(static_cast<std::size_t>(P) * d), v(k.size());
+  for (std::size_t i = 0; i < f.pages.size(); ++i) {
+    f.quantizer.key.decode(f.geometry, f.pages[i], f.key_params, k.data());
+    f.quantizer.value.decode(f.geometry, f.pages[i] + f.value_offset, f.value_params, v.data());
+    double page_max = 0.0;
+    for (float x : v) page_max = std::max(page_max, static_cast<double>(std::fabs(x)));
+    tokens.page_max_value.push_back(page_max);
+    for (index_t t = 0; t < P; ++t) {
+      if (!f.masks.empty() && !((f.masks[i][t / 64] >> (t % 64)) & 1u)) continue;
+      tokens.keys.emplace_back(&k[t * d], &k[t * d] + d);
+      tokens.values.emplace_back(&v[t * d], &v[t * d] + d);
+      tokens.page_of.push_back(static_cast<int>(i));
     }
-    max_key_l1 = std::max(max_key_l1, l1);
-  };
-  std::vector<float> decoded_v(decoded.size());
-  for (const std::byte* page : f.pages) {
-    f.quantizer.key.decode(f.geometry, page, f.key_params, decoded.data());
-    f.quantizer.value.decode(f.geometry, page + f.value_offset, f.value_params, decoded_v.data());
-    for (index_t t = 0; t < f.geometry.page_size; ++t) visit(&decoded[t * d], &decoded_v[t * d]);
   }
-  for (std::size_t t = 0; t < f.tail_keys.size() / d; ++t) visit(&f.tail_keys[t * d], &f.tail_values[t * d]);
-  double max_query = 0.0;
-  for (float q : queries) max_query = std::max(max_query, static_cast<double>(std::fabs(q)));
-  (void)group;
-  double bound = 1e-5 * max_value + 1e-6;
-  if (int16_path && kIntegerCodec<KeyCodec>) {
-    const double delta = max_query / 65534.0 * max_key_l1;
-    bound += 2.0 * std::expm1(2.0 * delta) * max_value;
+  for (std::size_t t = 0; t < f.tail_keys.size() / d; ++t) {
+    tokens.keys.emplace_back(&f.tail_keys[t * d], &f.tail_keys[t * d] + d);
+    tokens.values.emplace_back(&f.tail_values[t * d], &f.tail_values[t * d] + d);
+    tokens.page_of.push_back(-1);
   }
-  if (int16_path && kIntegerCodec<ValueCodec>) bound += f.geometry.page_size / 65534.0 * max_value * 1.01;
-  return bound;
+  double worst = 0.0;
+  for (index_t h = 0; h < group; ++h) {
+    worst = std::max(worst, test::attention_error_bound(tokens, &queries[static_cast<std::size_t>(h) * d], d, 1.0,
+                                                        test::operands<typename Fixture::KeyCodec>(vnni_path),
+                                                        test::operands<typename Fixture::ValueCodec>(vnni_path)));
+  }
+  return worst;
 }
 
 template <class Quantizer>
@@ -161,8 +147,8 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
     std::vector<float> out(expected.size(), -1.0f);
     kernels::attend_stream<KeyCodec, ValueCodec>(f.run(), f.key_params, f.value_params, f.tail(),
                                                  queries.data(), group, out.data(), workspace, kernel_set);
-    const bool int16_path = std::is_same_v<Arch, xsimd::avx512bw>;
-    const double bound = error_bound(f, queries, group, int16_path);
+    const bool vnni_path = std::is_same_v<Arch, xsimd::avx512bw>;
+    const double bound = error_bound(f, queries, group, vnni_path);
     DYNAMIC_SECTION("isa " << kernels::cpu::isa_name<Arch>() << " P=" << page_size << " d=" << head_dim
                            << " pages=" << page_count << " tail=" << tail_count << " g=" << group) {
       for (std::size_t i = 0; i < out.size(); ++i) {

@@ -231,11 +231,12 @@ TEMPLATE_TEST_CASE("Q4_0 from_ggml writes exactly one token's nibbles and to_ggm
 }
 
 // validate() must throw for a geometry the codec cannot store (quant_concepts.hpp). The value
-// plane pairs tokens (tile::value_nibble), so an odd page_size would put nibbles past P*d/2.
+// plane groups tokens in quads (tile::value_nibble), so a page_size that is not a multiple of 4
+// would put nibbles past P*d/2.
 TEMPLATE_TEST_CASE("Q4_0 validate accepts only geometries whose nibbles fit in the plane",
                    "[quant]", KeyCodec, ValueCodec) {
   const TestType codec{};
-  for (index_t p : {1, 15, 17, 33, 16}) {
+  for (index_t p : {1, 2, 6, 15, 17, 33, 16}) {
     for (index_t d : {32, 64}) {
       const PageGeometry g{p, d};
       INFO(describe(g));

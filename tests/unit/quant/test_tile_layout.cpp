@@ -29,10 +29,10 @@ std::vector<PageGeometry> byte_geometries() {
   return out;
 }
 
-/// Geometries for the nibble maps (q4_0: head_dim a multiple of 32, even page_size).
+/// Geometries for the nibble maps (q4_0: head_dim a multiple of 32, page_size a multiple of 4).
 std::vector<PageGeometry> nibble_geometries() {
   std::vector<PageGeometry> out;
-  for (index_t p : {2, 16, 32, 48, 64, 128}) {
+  for (index_t p : {4, 16, 32, 48, 64, 128}) {
     for (index_t d : {32, 64, 96, 128, 256}) out.push_back({p, d});
   }
   return out;
@@ -152,23 +152,23 @@ TEST_CASE("tile value plane: token pairs side by side, 16 channels in 32 consecu
   }
 }
 
-TEST_CASE("tile q4_0 key plane: channel pairs, low nibble c, high nibble c + 16, 16 tokens in 32 bytes",
+TEST_CASE("tile q4_0 key plane: channel quads, low nibble c, high nibble c + 16, 16 tokens in 64 bytes",
           "[quant]") {
   for (PageGeometry g : nibble_geometries()) {
     if (g.page_size % 16 != 0) continue;
     INFO(describe(g));
     Mismatches m;
     for (index_t b = 0; b < g.head_dim / 32; ++b) {
-      for (index_t jj = 0; jj < 8; ++jj) {
+      for (index_t j = 0; j < 4; ++j) {
         for (index_t t0 = 0; t0 < g.page_size; t0 += 16) {
-          const std::size_t base = tile::key_nibble(g, t0, 32 * b + 2 * jj).byte;
+          const std::size_t base = tile::key_nibble(g, t0, 32 * b + 4 * j).byte;
           for (index_t k = 0; k < 16; ++k) {
-            for (index_t s = 0; s < 2; ++s) {
-              const std::size_t want = base + 2 * static_cast<std::size_t>(k) + s;
-              const tile::NibbleAddress lo = tile::key_nibble(g, t0 + k, 32 * b + 2 * jj + s);
-              const tile::NibbleAddress hi = tile::key_nibble(g, t0 + k, 32 * b + 16 + 2 * jj + s);
-              if (lo.byte != want || lo.nibble != 0) m.add("low " + at(t0 + k, 32 * b + 2 * jj + s));
-              if (hi.byte != want || hi.nibble != 1) m.add("high " + at(t0 + k, 32 * b + 16 + 2 * jj + s));
+            for (index_t s = 0; s < 4; ++s) {
+              const std::size_t want = base + 4 * static_cast<std::size_t>(k) + s;
+              const tile::NibbleAddress lo = tile::key_nibble(g, t0 + k, 32 * b + 4 * j + s);
+              const tile::NibbleAddress hi = tile::key_nibble(g, t0 + k, 32 * b + 16 + 4 * j + s);
+              if (lo.byte != want || lo.nibble != 0) m.add("low " + at(t0 + k, 32 * b + 4 * j + s));
+              if (hi.byte != want || hi.nibble != 1) m.add("high " + at(t0 + k, 32 * b + 16 + 4 * j + s));
             }
           }
         }
@@ -178,21 +178,21 @@ TEST_CASE("tile q4_0 key plane: channel pairs, low nibble c, high nibble c + 16,
   }
 }
 
-TEST_CASE("tile q4_0 value plane: a 32-byte row holds channels 32b..32b+15 low, 32b+16..32b+31 high",
+TEST_CASE("tile q4_0 value plane: a 64-byte row holds channels 32b..32b+15 low, 32b+16..32b+31 high",
           "[quant]") {
   for (PageGeometry g : nibble_geometries()) {
     INFO(describe(g));
     Mismatches m;
-    for (index_t i = 0; i < g.page_size / 2; ++i) {
+    for (index_t i = 0; i < g.page_size / 4; ++i) {
       for (index_t b = 0; b < g.head_dim / 32; ++b) {
-        const std::size_t base = tile::value_nibble(g, 2 * i, 32 * b).byte;
+        const std::size_t base = tile::value_nibble(g, 4 * i, 32 * b).byte;
         for (index_t k = 0; k < 16; ++k) {
-          for (index_t s = 0; s < 2; ++s) {
-            const std::size_t want = base + 2 * static_cast<std::size_t>(k) + s;
-            const tile::NibbleAddress lo = tile::value_nibble(g, 2 * i + s, 32 * b + k);
-            const tile::NibbleAddress hi = tile::value_nibble(g, 2 * i + s, 32 * b + 16 + k);
-            if (lo.byte != want || lo.nibble != 0) m.add("low " + at(2 * i + s, 32 * b + k));
-            if (hi.byte != want || hi.nibble != 1) m.add("high " + at(2 * i + s, 32 * b + 16 + k));
+          for (index_t s = 0; s < 4; ++s) {
+            const std::size_t want = base + 4 * static_cast<std::size_t>(k) + s;
+            const tile::NibbleAddress lo = tile::value_nibble(g, 4 * i + s, 32 * b + k);
+            const tile::NibbleAddress hi = tile::value_nibble(g, 4 * i + s, 32 * b + 16 + k);
+            if (lo.byte != want || lo.nibble != 0) m.add("low " + at(4 * i + s, 32 * b + k));
+            if (hi.byte != want || hi.nibble != 1) m.add("high " + at(4 * i + s, 32 * b + 16 + k));
           }
         }
       }
@@ -202,9 +202,9 @@ TEST_CASE("tile q4_0 value plane: a 32-byte row holds channels 32b..32b+15 low, 
 }
 
 // The CPU kernels (kernels/cpu/integer.hpp) load whole rows: key codes of channel pair j for
-// tokens t0.. at byte 2 (j P + t0), q4_0 key nibbles of block b, pair jj at 2 ((8b + jj) P + t0),
-// value codes of token pair i at 2 (i d + c0), q4_0 value nibbles of token pair i, block b at
-// 32 (i d/32 + b). These pin the row order the pairing properties above leave open.
+// tokens t0.. at byte 2 (j P + t0), q4_0 key nibbles of block b, quad j at 4 ((4b + j) P + t0),
+// value codes of token pair i at 2 (i d + c0), q4_0 value nibbles of token quad i, block b at
+// 64 (i d/32 + b). These pin the row order the pairing properties above leave open.
 TEST_CASE("tile rows are in the order the CPU kernels load them", "[quant]") {
   for (PageGeometry g : nibble_geometries()) {
     INFO(describe(g));
@@ -218,11 +218,11 @@ TEST_CASE("tile rows are in the order the CPU kernels load them", "[quant]") {
         if (tile::key_byte(g, t, c) != 2 * ((cu / 2) * P + tu) + cu % 2) m.add("key_byte " + at(t, c));
         if (tile::value_byte(g, t, c) != 2 * ((tu / 2) * d + cu) + tu % 2) m.add("value_byte " + at(t, c));
         const std::size_t b = cu / 32;
-        const std::size_t jj = (cu % 16) / 2;
-        if (tile::key_nibble(g, t, c).byte != 2 * ((8 * b + jj) * P + tu) + cu % 2) {
+        const std::size_t j = (cu % 16) / 4;
+        if (tile::key_nibble(g, t, c).byte != 4 * ((4 * b + j) * P + tu) + cu % 4) {
           m.add("key_nibble " + at(t, c));
         }
-        if (tile::value_nibble(g, t, c).byte != 32 * ((tu / 2) * (d / 32) + b) + 2 * (cu % 16) + tu % 2) {
+        if (tile::value_nibble(g, t, c).byte != 64 * ((tu / 4) * (d / 32) + b) + 4 * (cu % 16) + tu % 4) {
           m.add("value_nibble " + at(t, c));
         }
       }

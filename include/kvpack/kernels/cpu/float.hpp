@@ -76,15 +76,24 @@ constexpr int channel_split(int heads, int tiles) noexcept {
   return heads * tiles >= kFmaChains ? 1 : kFmaChains / (heads * tiles);
 }
 
-/// Scores of kG heads for kTiles·W tokens starting at t0 of a channel-major key plane. Channels
-/// are split over kSplit accumulator sets so that kG·kTiles·kSplit chains run in parallel.
+/// Tiles of W tokens scored together: up to 16 accumulators (half the AVX-512 registers), so each
+/// broadcast query element feeds as many FMAs as possible.
+constexpr int score_tiles(int heads) noexcept { return heads >= 8 ? 2 : 4; }
+
+/// W consecutive tokens of one page: where their key rows start and where their scores go.
+struct ScoreTile {
+  const std::byte* plane;  ///< the page's key plane
+  index_t t0;              ///< first token
+  float* scores;           ///< score of token t0 for the first head of the block
+};
+
+/// Scores of kG heads for kTiles tiles (possibly from different pages) of channel-major key
+/// planes. Channels are split over kSplit accumulator sets so that kG·kTiles·kSplit chains run.
 template <class Storage, int kG, int kTiles, class A>
-KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index_t page_size,
-                                                   index_t head_dim, index_t t0, const float* q,
-                                                   float scale, float* scores, index_t stride,
-                                                   PagePrefetcher& prefetcher) noexcept {
+KVPACK_ALWAYS_INLINE void score_channel_major_tiles(const ScoreTile (&tiles)[kTiles], index_t page_size,
+                                                    index_t head_dim, const float* q, float scale,
+                                                    index_t stride, PagePrefetcher& prefetcher) noexcept {
   using batch = simd::f32<A>;
-  constexpr index_t kWidth = static_cast<index_t>(batch::size);
   constexpr int kSplit = channel_split(kG, kTiles);
   batch acc[kSplit][kG][kTiles];
   for (auto& split : acc)
@@ -95,7 +104,7 @@ KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index
     batch k[kTiles];
     KVPACK_UNROLL
     for (int i = 0; i < kTiles; ++i) {
-      k[i] = load_elements<Storage, A>(plane, static_cast<std::size_t>(c) * page_size + t0 + i * kWidth);
+      k[i] = load_elements<Storage, A>(tiles[i].plane, static_cast<std::size_t>(c) * page_size + tiles[i].t0);
     }
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
@@ -114,51 +123,53 @@ KVPACK_ALWAYS_INLINE void score_channel_major_tile(const std::byte* plane, index
     for (int i = 0; i < kTiles; ++i) {
       batch total = acc[0][h][i];
       for (int split = 1; split < kSplit; ++split) total += acc[split][h][i];
-      (total * batch(scale)).store_unaligned(scores + h * stride + t0 + i * kWidth);
+      (total * batch(scale)).store_unaligned(tiles[i].scores + h * stride);
     }
   }
 }
 
-/// Inner-loop steps score_element_keys takes per page (the prefetcher spreads over them).
-template <class A>
-index_t score_steps(index_t group, index_t page_size, index_t head_dim) noexcept {
-  constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
-  index_t steps = 0;
-  for_each_head_block(group, [&](auto block, index_t) {
-    constexpr int kG = decltype(block)::value;
-    steps += page_size / (2 * kWidth) * (head_dim / channel_split(kG, 2)) +
-             page_size % (2 * kWidth) / kWidth * (head_dim / channel_split(kG, 1));
-  });
-  return steps;
-}
-
-/// Key kernel for element-wise formats (page_size must be a multiple of the vector width).
+/// Key kernel for element-wise formats (page_size must be a multiple of the vector width). The
+/// W-token tiles of the run are scored kTiles at a time, across page boundaries.
 template <class Storage, class Params, class A>
 void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
   const PageRun& run = args.run;
   const float scale = plane_scale(args.params);
-  const index_t steps = score_steps<A>(args.group, run.page_size, run.head_dim);
-  for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher prefetcher(run, i, steps);
-    const std::byte* plane = run.pages[i];
-    float* scores = args.scores + i * run.page_size;
-    for_each_head_block(args.group, [&](auto block, index_t h0) {
-      constexpr int kG = decltype(block)::value;
-      const float* q = args.queries + h0 * run.head_dim;
-      float* out = scores + h0 * args.score_stride;
-      index_t t0 = 0;
-      for (; t0 + 2 * kWidth <= run.page_size; t0 += 2 * kWidth) {
-        score_channel_major_tile<Storage, kG, 2, A>(plane, run.page_size, run.head_dim, t0, q, scale, out,
-                                                    args.score_stride, prefetcher);
-      }
-      for (; t0 < run.page_size; t0 += kWidth) {
-        score_channel_major_tile<Storage, kG, 1, A>(plane, run.page_size, run.head_dim, t0, q, scale, out,
-                                                    args.score_stride, prefetcher);
-      }
-    });
-    if (run.live != nullptr) {
-      mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
+  const index_t tiles_per_page = run.page_size / kWidth;
+  const index_t total_tiles = run.count * tiles_per_page;
+  for_each_head_block(args.group, [&](auto block, index_t h0) {
+    constexpr int kG = decltype(block)::value;
+    constexpr int kTiles = score_tiles(kG);
+    const float* q = args.queries + h0 * run.head_dim;
+    // The first head block requests the pages ahead; later blocks find them in cache.
+    const bool prefetching = h0 == 0;
+    auto tile = [&](index_t n) {
+      const index_t page = n / tiles_per_page;
+      const index_t t0 = n % tiles_per_page * kWidth;
+      return ScoreTile{run.pages[page], t0, args.scores + h0 * args.score_stride + page * run.page_size + t0};
+    };
+    index_t n = 0;
+    for (; n + kTiles <= total_tiles; n += kTiles) {
+      // Batches start on page boundaries when kTiles is a multiple of the tiles per page (the
+      // usual case), so consecutive batches request consecutive pages.
+      const index_t first_page = n / tiles_per_page;
+      const index_t pages = (n + kTiles - 1) / tiles_per_page - first_page + 1;
+      PagePrefetcher prefetcher(run, first_page, prefetching ? pages : 0, run.head_dim);
+      ScoreTile tiles[kTiles];
+      for (int i = 0; i < kTiles; ++i) tiles[i] = tile(n + i);
+      score_channel_major_tiles<Storage, kG, kTiles, A>(tiles, run.page_size, run.head_dim, q, scale,
+                                                        args.score_stride, prefetcher);
+    }
+    for (; n < total_tiles; ++n) {
+      PagePrefetcher prefetcher(run, n / tiles_per_page, prefetching ? 1 : 0, run.head_dim);
+      const ScoreTile tiles[1] = {tile(n)};
+      score_channel_major_tiles<Storage, kG, 1, A>(tiles, run.page_size, run.head_dim, q, scale,
+                                                   args.score_stride, prefetcher);
+    }
+  });
+  if (run.live != nullptr) {
+    for (index_t i = 0; i < run.count; ++i) {
+      mask_dead_slots(run.live[i], run.page_size, args.group, args.scores + i * run.page_size, args.score_stride);
     }
   }
 }
@@ -217,7 +228,13 @@ void accumulate_element_values(A, const AccumulateArgs<Params>& args) noexcept {
     const float* w = args.weights + i * run.page_size;
     for_each_head_block(args.group, [&](auto block, index_t h0) {
       constexpr int kG = decltype(block)::value;
+      constexpr int kChunks = score_tiles(kG);  // same register budget as the key tiles
       index_t c0 = 0;
+      for (; c0 + kChunks * kWidth <= vector_end; c0 += kChunks * kWidth) {
+        accumulate_token_major_tile<Storage, kG, kChunks, A>(plane, run.page_size, run.head_dim, c0,
+                                                             w + h0 * args.weight_stride, args.weight_stride,
+                                                             scale, args.acc + h0 * run.head_dim);
+      }
       for (; c0 + 2 * kWidth <= vector_end; c0 += 2 * kWidth) {
         accumulate_token_major_tile<Storage, kG, 2, A>(plane, run.page_size, run.head_dim, c0,
                                                        w + h0 * args.weight_stride, args.weight_stride,

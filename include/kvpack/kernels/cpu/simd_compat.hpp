@@ -214,6 +214,32 @@ KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p) noexcept {
   return load_e4m3fn<A>(p, A{});
 }
 
+// --- broadcasts ---------------------------------------------------------------------------
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> broadcast_quad(const float* p, requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> broadcast_quad(const float* p, requires_arch<xsimd::avx2>) noexcept {
+  return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> broadcast_quad(const float* p, requires_arch<xsimd::sse2>) noexcept {
+  return _mm_loadu_ps(p);
+}
+#endif
+/// The four floats p[0..3] repeated across the vector.
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> broadcast_quad(const float* p) noexcept {
+  return broadcast_quad<A>(p, A{});
+}
+
 // --- reductions ---------------------------------------------------------------------------
 
 /// Horizontal sum (xsimd 8.1 calls it hadd; 9.0 renamed it reduce_add).

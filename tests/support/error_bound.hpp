@@ -1,0 +1,105 @@
+#pragma once
+// The bound on |kernel - exact attention on the decoded values| for one query head, from the
+// kernels' arithmetic (see kernels/cpu/integer.hpp and q4_0.hpp):
+// - fp32 accumulation in a different order: relative 1e-5 of the largest value;
+// - on the AVX-512 integer paths the quantized query moves each score by at most δ: with int16
+//   (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8 per 32-channel block (q4_0)
+//   δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|. Each normalised weight then moves
+//   by a factor within e^{±2δ}: output error ≤ 2(e^{2δ} - 1)·max|v̂|;
+// - the quantized weights: each off by ≤ half a step, the step being (page max of p) · (page
+//   max of the value scale) / kMax, kMax = 32767 (int16) or 127 (int8). Summed over a page of P
+//   slots, over pages, and divided by l = Σ p: Σ_pages P · (0.5/kMax) · max_p(page) ·
+//   max|v̂|(page) / l, times e^{4δ} for the kernel's own (perturbed) weights.
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "kvpack/dispatch.hpp"
+#include "kvpack/quant/int8.hpp"
+#include "kvpack/quant/q4_0.hpp"
+#include "kvpack/quant/q8_0.hpp"
+
+namespace kvpack::test {
+
+/// How the kernel under test computes with a plane: in fp32, or through int16 / int8 operands.
+enum class Operands { kFloat, kInt16, kInt8 };
+
+/// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
+/// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
+template <class Codec>
+Operands operands(bool vnni) {
+  if (!vnni) return Operands::kFloat;
+  if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
+  if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
+                std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
+    return Operands::kInt16;
+  }
+  return Operands::kFloat;
+}
+
+/// The same for the kernels attend() runs on this CPU.
+template <class Codec>
+Operands active_operands() {
+  return operands<Codec>(dispatch::active_cpu_isa() == "avx512");
+}
+
+/// Every live token a head attends over: decoded key and value, and its page (-1: the tail).
+struct DecodedTokens {
+  std::vector<std::vector<float>> keys, values;
+  std::vector<int> page_of;
+  std::vector<double> page_max_value;  // per page, over all its slots (dead ones included)
+  int page_size = 0;
+};
+
+inline double attention_error_bound(const DecodedTokens& tokens, const float* q, int head_dim, double scale,
+                                    Operands key_operands, Operands value_operands) {
+  double max_value = 0.0;
+  for (const auto& row : tokens.values) {
+    for (float x : row) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
+  }
+  double max_query = 0.0;
+  for (int c = 0; c < head_dim; ++c) max_query = std::max(max_query, static_cast<double>(std::fabs(q[c])));
+  double delta = 0.0;
+  std::vector<double> scores;
+  for (const auto& key : tokens.keys) {
+    double s = 0.0, l1 = 0.0, blockwise = 0.0;
+    for (int c = 0; c < head_dim; ++c) {
+      s += static_cast<double>(q[c]) * key[c];
+      l1 += std::fabs(key[c]);
+    }
+    for (int b = 0; b < head_dim / 32; ++b) {
+      double q_max = 0.0, k_l1 = 0.0;
+      for (int c = 32 * b; c < 32 * b + 32; ++c) {
+        q_max = std::max(q_max, static_cast<double>(std::fabs(q[c])));
+        k_l1 += std::fabs(key[c]);
+      }
+      blockwise += q_max / 254.0 * k_l1;
+    }
+    scores.push_back(s * scale);
+    if (key_operands == Operands::kInt16) delta = std::max(delta, max_query / 65534.0 * l1 * scale);
+    if (key_operands == Operands::kInt8) delta = std::max(delta, blockwise * scale);
+  }
+  double bound = 1e-5 * max_value + 1e-6;
+  if (delta > 0.0) bound += 2.0 * std::expm1(2.0 * delta) * max_value;
+  if (value_operands != Operands::kFloat && !scores.empty()) {
+    const double k_max = value_operands == Operands::kInt16 ? 32767.0 : 127.0;
+    const double top = *std::max_element(scores.begin(), scores.end());
+    double l = 0.0;
+    std::vector<double> page_max_p(tokens.page_max_value.size(), 0.0);
+    for (std::size_t t = 0; t < scores.size(); ++t) {
+      const double p = std::exp(scores[t] - top);
+      l += p;
+      if (tokens.page_of[t] >= 0) page_max_p[tokens.page_of[t]] = std::max(page_max_p[tokens.page_of[t]], p);
+    }
+    double weights_error = 0.0;
+    for (std::size_t i = 0; i < page_max_p.size(); ++i) {
+      weights_error += tokens.page_size * 0.5 / k_max * page_max_p[i] * tokens.page_max_value[i];
+    }
+    bound += std::exp(4.0 * delta) * weights_error / l;
+  }
+  return bound;
+}
+
+}  // namespace kvpack::test
