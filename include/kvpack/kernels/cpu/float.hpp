@@ -22,7 +22,12 @@
 
 namespace kvpack::inline v0::kernels::cpu {
 
-/// W elements of a plane, starting at element `index`, as fp32 lanes.
+/// What the vector loads below return, relative to the stored value: 2^-8 for E4M3FN (its fp16
+/// route), 1 for every other format. Kernels divide their final scale by it.
+template <class Storage>
+inline constexpr float kLoadFactor = std::is_same_v<Storage, quant::E4M3FN> ? 1.0f / 256.0f : 1.0f;
+
+/// W elements of a plane, starting at element `index`, as fp32 lanes times kLoadFactor.
 template <class Storage, class A>
 KVPACK_ALWAYS_INLINE simd::f32<A> load_elements(const std::byte* plane, std::size_t index) noexcept {
   if constexpr (std::is_same_v<Storage, float>) {
@@ -32,7 +37,7 @@ KVPACK_ALWAYS_INLINE simd::f32<A> load_elements(const std::byte* plane, std::siz
   } else if constexpr (std::is_same_v<Storage, bfloat16>) {
     return simd::load_bf16<A>(reinterpret_cast<const std::uint16_t*>(plane) + index);
   } else if constexpr (std::is_same_v<Storage, quant::E4M3FN>) {
-    return simd::load_e4m3fn<A>(reinterpret_cast<const std::uint8_t*>(plane) + index);
+    return simd::load_e4m3fn_over_256<A>(reinterpret_cast<const std::uint8_t*>(plane) + index);
   } else {
     static_assert(std::is_same_v<Storage, quant::E5M2>, "no SIMD load for this storage type");
     return simd::load_e5m2<A>(reinterpret_cast<const std::uint8_t*>(plane) + index);
@@ -134,7 +139,7 @@ template <class Storage, class Params, class A>
 void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
   const PageRun& run = args.run;
-  const float scale = plane_scale(args.params);
+  const float scale = plane_scale(args.params) / kLoadFactor<Storage>;
   const index_t tiles_per_page = run.page_size / kWidth;
   const index_t total_tiles = run.count * tiles_per_page;
   for_each_head_block(args.group, [&](auto block, index_t h0) {
@@ -222,6 +227,7 @@ void accumulate_element_values(A, const AccumulateArgs<Params>& args) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
   const PageRun& run = args.run;
   const float scale = plane_scale(args.params);
+  const float vector_scale = scale / kLoadFactor<Storage>;
   const index_t vector_end = run.head_dim - run.head_dim % kWidth;
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
@@ -233,17 +239,17 @@ void accumulate_element_values(A, const AccumulateArgs<Params>& args) noexcept {
       for (; c0 + kChunks * kWidth <= vector_end; c0 += kChunks * kWidth) {
         accumulate_token_major_tile<Storage, kG, kChunks, A>(plane, run.page_size, run.head_dim, c0,
                                                              w + h0 * args.weight_stride, args.weight_stride,
-                                                             scale, args.acc + h0 * run.head_dim);
+                                                             vector_scale, args.acc + h0 * run.head_dim);
       }
       for (; c0 + 2 * kWidth <= vector_end; c0 += 2 * kWidth) {
         accumulate_token_major_tile<Storage, kG, 2, A>(plane, run.page_size, run.head_dim, c0,
                                                        w + h0 * args.weight_stride, args.weight_stride,
-                                                       scale, args.acc + h0 * run.head_dim);
+                                                       vector_scale, args.acc + h0 * run.head_dim);
       }
       for (; c0 < vector_end; c0 += kWidth) {
         accumulate_token_major_tile<Storage, kG, 1, A>(plane, run.page_size, run.head_dim, c0,
                                                        w + h0 * args.weight_stride, args.weight_stride,
-                                                       scale, args.acc + h0 * run.head_dim);
+                                                       vector_scale, args.acc + h0 * run.head_dim);
       }
     });
     for (index_t c = vector_end; c < run.head_dim; ++c) {

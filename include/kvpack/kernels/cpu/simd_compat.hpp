@@ -162,14 +162,14 @@ KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p, requires_arch<xsimd
   return _mm512_cvtph_ps(_mm256_slli_epi16(code, 8));
 }
 template <class A>
-KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p, requires_arch<xsimd::avx512bw>) noexcept {
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn_over_256(const std::uint8_t* p, requires_arch<xsimd::avx512bw>) noexcept {
   const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i magnitude = _mm256_and_si256(code, _mm256_set1_epi16(0x7F));
   __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
                                  _mm256_slli_epi16(_mm256_and_si256(code, _mm256_set1_epi16(0x80)), 8));
   const __m256i is_nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7F));
   half = _mm256_or_si256(half, _mm256_and_si256(is_nan, _mm256_set1_epi16(0x7E00)));
-  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+  return _mm512_cvtph_ps(half);
 }
 #endif
 #if XSIMD_WITH_AVX2 && defined(__F16C__)
@@ -179,14 +179,14 @@ KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p, requires_arch<xsimd
   return _mm256_cvtph_ps(_mm_slli_epi16(code, 8));
 }
 template <class A>
-KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p, requires_arch<xsimd::avx2>) noexcept {
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn_over_256(const std::uint8_t* p, requires_arch<xsimd::avx2>) noexcept {
   const __m128i code = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i magnitude = _mm_and_si128(code, _mm_set1_epi16(0x7F));
   __m128i half = _mm_or_si128(_mm_slli_epi16(magnitude, 7),
                               _mm_slli_epi16(_mm_and_si128(code, _mm_set1_epi16(0x80)), 8));
   const __m128i is_nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F));
   half = _mm_or_si128(half, _mm_and_si128(is_nan, _mm_set1_epi16(0x7E00)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+  return _mm256_cvtph_ps(half);
 }
 #endif
 #if XSIMD_WITH_SSE2
@@ -195,12 +195,12 @@ KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p, requires_arch<xsimd
   return half_bits_to_f32<A>(load_u8<A>(p) << 8);
 }
 template <class A>
-KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p, requires_arch<xsimd::sse2>) noexcept {
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn_over_256(const std::uint8_t* p, requires_arch<xsimd::sse2>) noexcept {
   const i32<A> code = load_u8<A>(p);
   const i32<A> magnitude = code & i32<A>(0x7F);
   i32<A> half = (magnitude << 7) | ((code & i32<A>(0x80)) << 8);
   half = xsimd::select(magnitude == i32<A>(0x7F), half | i32<A>(0x7E00), half);
-  return half_bits_to_f32<A>(half) * f32<A>(256.0f);
+  return half_bits_to_f32<A>(half);
 }
 #endif
 /// `batch::size` E5M2 codes from `p` as fp32 (exact, inf and NaN included).
@@ -208,10 +208,11 @@ template <class A>
 KVPACK_ALWAYS_INLINE f32<A> load_e5m2(const std::uint8_t* p) noexcept {
   return load_e5m2<A>(p, A{});
 }
-/// `batch::size` E4M3FN codes from `p` as fp32 (exact, NaN included).
+/// `batch::size` E4M3FN codes from `p` as fp32 values times 2^-8 (exact, NaN included): callers
+/// fold the 2^8 into the scale they apply anyway.
 template <class A>
-KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn(const std::uint8_t* p) noexcept {
-  return load_e4m3fn<A>(p, A{});
+KVPACK_ALWAYS_INLINE f32<A> load_e4m3fn_over_256(const std::uint8_t* p) noexcept {
+  return load_e4m3fn_over_256<A>(p, A{});
 }
 
 // --- broadcasts ---------------------------------------------------------------------------
