@@ -14,6 +14,7 @@
 
 #include "kvpack/core/half.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
+#include "kvpack/quant/tile_layout.hpp"
 
 namespace kvpack::inline v0::quant {
 
@@ -55,10 +56,8 @@ struct FloatCodec {
   [[nodiscard]] float max_abs_input() const noexcept { return detail::FloatStorage<T>::kMaxAbs; }
   [[nodiscard]] params_type initial_params(index_t, index_t) const noexcept { return {}; }
 
-  /// Element index of (token t, channel c) inside the plane.
   [[nodiscard]] static constexpr std::size_t index(PageGeometry g, index_t t, index_t c) noexcept {
-    return kPlane == Plane::kKey ? static_cast<std::size_t>(c) * g.page_size + t
-                                 : static_cast<std::size_t>(t) * g.head_dim + c;
+    return tile::element(g, kPlane, t, c);
   }
 
   void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, params_type,

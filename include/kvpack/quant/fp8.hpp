@@ -21,6 +21,7 @@
 
 #include "kvpack/core/fp8.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
+#include "kvpack/quant/tile_layout.hpp"
 
 namespace kvpack::inline v0::quant {
 
@@ -103,8 +104,7 @@ struct FP8Codec {
   }
 
   [[nodiscard]] static constexpr std::size_t index(PageGeometry g, index_t t, index_t c) noexcept {
-    return kPlane == Plane::kKey ? static_cast<std::size_t>(c) * g.page_size + t
-                                 : static_cast<std::size_t>(t) * g.head_dim + c;
+    return tile::element(g, kPlane, t, c);
   }
 
   void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, params_type params,

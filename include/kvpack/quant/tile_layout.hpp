@@ -1,16 +1,17 @@
 #pragma once
 /// \file tile_layout.hpp
-/// \brief Where the integer codecs (int8, q8_0, q4_0) put each code inside a page plane.
+/// \brief Where each codec puts each element inside a page plane.
 ///
-/// The kernels multiply 16-bit pairs (AVX-512 VNNI `vpdpwssd`: two products per 32-bit lane), so
-/// codes are stored as pairs that a widening load turns straight into such lanes:
+/// For the 8-bit integer codecs the kernels multiply 16-bit pairs (AVX-512 VNNI `vpdpwssd`: two
+/// products per 32-bit lane), so codes are stored as pairs that a widening load turns straight
+/// into such lanes:
 /// - key plane: pairs of adjacent *channels*, tokens along the vector: for channel pair j and
 ///   token t, bytes (t, 2j) and (t, 2j+1) sit side by side, and 16 tokens are 32 consecutive bytes.
 ///   A score then needs no horizontal sum: lane t accumulates q_2j·k_t,2j + q_2j+1·k_t,2j+1.
 /// - value plane: pairs of adjacent *tokens*, channels along the vector: for token pair i and
 ///   channel c, bytes (2i, c) and (2i+1, c) sit side by side, 16 channels = 32 consecutive bytes.
 ///   Lane c accumulates w_2i·v_2i,c + w_2i+1·v_2i+1,c.
-/// 4-bit codes (q4_0) are kernels' `vpdpbusd` operands (four u8·s8 products per 32-bit lane), so
+/// 4-bit codes (q4_0) are the kernels' `vpdpbusd` operands (four u8·s8 products per 32-bit lane), so
 /// they come in quads instead of pairs: four channels of a token (keys) or four tokens of a channel
 /// (values) per 32-bit lane. The low nibbles hold channels 0–15 of a 32-channel block and the high
 /// nibbles channels 16–31, as ggml's own q4_0 nibble order does, so one 64-byte load gives two
@@ -21,6 +22,14 @@
 #include "kvpack/quant/quant_concepts.hpp"
 
 namespace kvpack::inline v0::quant::tile {
+
+/// Element index of (token t, channel c) in a plane of the element-wise formats (Float, FP8):
+/// keys channel-major (one channel of consecutive tokens per vector load, no horizontal sums
+/// when scoring), values token-major (accumulating w_t·v_t is a row-wise AXPY).
+[[nodiscard]] constexpr std::size_t element(PageGeometry g, Plane plane, index_t t, index_t c) noexcept {
+  return plane == Plane::kKey ? static_cast<std::size_t>(c) * g.page_size + t
+                              : static_cast<std::size_t>(t) * g.head_dim + c;
+}
 
 /// Byte offset of the 8-bit code of (token t, channel c) in a key plane.
 [[nodiscard]] constexpr std::size_t key_byte(PageGeometry g, index_t t, index_t c) noexcept {

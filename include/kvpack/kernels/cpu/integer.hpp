@@ -71,13 +71,7 @@ void score_pairs_fma(A, const ScoreArgs<quant::NoParams>& args) noexcept {
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher prefetcher(run, i, 1, run.page_size / (kWidth / 2));
     const std::byte* plane = run.pages[i];
-    for (index_t b = 0; b < blocks; ++b) {
-      for (index_t t = 0; t < run.page_size; ++t) {
-        const float s = scale_at(plane, codes_bytes, run.page_size, t, b);
-        duplicated_scales[b * 2 * run.page_size + 2 * t] = s;
-        duplicated_scales[b * 2 * run.page_size + 2 * t + 1] = s;
-      }
-    }
+    replicate_scales<2>(plane, codes_bytes, run.page_size, blocks, duplicated_scales);
     float* scores = args.scores + i * run.page_size;
     for (index_t t0 = 0; t0 < run.page_size; t0 += kWidth / 2) {
       prefetcher.step();
@@ -122,13 +116,8 @@ void accumulate_pairs_fma(A, const AccumulateArgs<quant::NoParams>& args) noexce
   float* scaled_weights = args.scratch;  // [group][blocks][page_size]
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
-    for (index_t h = 0; h < args.group; ++h) {
-      const float* w = args.weights + h * args.weight_stride + i * run.page_size;
-      for (index_t b = 0; b < blocks; ++b) {
-        float* row = scaled_weights + (static_cast<std::size_t>(h) * blocks + b) * run.page_size;
-        for (index_t t = 0; t < run.page_size; ++t) row[t] = w[t] * scale_at(plane, codes_bytes, run.page_size, t, b);
-      }
-    }
+    scale_weights(args.weights + i * run.page_size, args.weight_stride, args.group, plane, codes_bytes,
+                  run.page_size, blocks, scaled_weights);
     for (index_t c0 = 0; c0 < run.head_dim; c0 += kWidth / 2) {
       for_each_head_block(args.group, [&](auto block, index_t h0) {
         accumulate_pairs_tile_fma<Codec, decltype(block)::value, A>(
@@ -239,28 +228,12 @@ void score_pairs_vnni(xsimd::avx512bw, const ScoreArgs<quant::NoParams>& args) n
   const PageRun& run = args.run;
   const std::size_t codes_bytes = Codec::codes_bytes({run.page_size, run.head_dim});
   const Int16Query q = quantize_query_int16(xsimd::avx512bw{}, args.queries, args.group, run.head_dim, args.scratch);
-  // Inner steps per page for a group of up to four heads: two 16-token tiles per pass.
   const index_t steps = std::max<index_t>(1, run.page_size / 32) * (run.head_dim / 2);
-  for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher prefetcher(run, i, 1, steps);
-    const std::byte* plane = run.pages[i];
-    float* scores = args.scores + i * run.page_size;
-    for_each_head_block(args.group, [&](auto block, index_t h0) {
-      constexpr int kG = decltype(block)::value;
-      // Two 16-token tiles per pass give 2·kG chains; eight heads already give eight.
-      constexpr int kTiles = kG >= 8 ? 1 : 2;
-      index_t t0 = 0;
-      for (; t0 + 16 * kTiles <= run.page_size; t0 += 16 * kTiles) {
-        score_pairs_tile_vnni<Codec, kG, kTiles>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
-                                                 scores + h0 * args.score_stride, args.score_stride, prefetcher);
-      }
-      for (; t0 < run.page_size; t0 += 16) {
-        score_pairs_tile_vnni<Codec, kG, 1>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
-                                            scores + h0 * args.score_stride, args.score_stride, prefetcher);
-      }
-    });
-    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
-  }
+  score_pages_vnni(args, steps, [&](auto heads, auto tiles, const std::byte* plane, index_t t0, index_t h0,
+                                    float* scores, PagePrefetcher& prefetcher) {
+    score_pairs_tile_vnni<Codec, decltype(heads)::value, decltype(tiles)::value>(
+        plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, scores, args.score_stride, prefetcher);
+  });
 }
 
 /// Values of kG heads for kChunks 16-channel chunks from c0 (one scale block): 2·kG chains.

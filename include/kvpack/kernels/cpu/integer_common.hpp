@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "kvpack/core/half.hpp"
+#include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/simd_compat.hpp"
 
 #if defined(__AVX512VNNI__) && XSIMD_WITH_AVX512BW
@@ -58,7 +59,58 @@ KVPACK_ALWAYS_INLINE void store_group_sums(simd::f32<A> x, float* out) noexcept 
   }
 }
 
+/// Each token's scale kR times per block ([blocks][kR·page_size]), so it multiplies lanes that
+/// hold kR values of one token directly (the portable key kernels).
+template <int kR>
+KVPACK_ALWAYS_INLINE void replicate_scales(const std::byte* plane, std::size_t codes_bytes, index_t page_size, index_t blocks,
+                      float* out) noexcept {
+  for (index_t b = 0; b < blocks; ++b) {
+    for (index_t t = 0; t < page_size; ++t) {
+      const float s = scale_at(plane, codes_bytes, page_size, t, b);
+      for (int r = 0; r < kR; ++r) out[(static_cast<std::size_t>(b) * page_size + t) * kR + r] = s;
+    }
+  }
+}
+
+/// w_t · scale(t, b) for every head and block of one page ([group][blocks][page_size]): the
+/// portable value kernels' weights.
+KVPACK_ALWAYS_INLINE void scale_weights(const float* weights, index_t weight_stride, index_t group, const std::byte* plane,
+                          std::size_t codes_bytes, index_t page_size, index_t blocks, float* out) noexcept {
+  for (index_t h = 0; h < group; ++h) {
+    const float* w = weights + h * weight_stride;
+    for (index_t b = 0; b < blocks; ++b) {
+      float* row = out + (static_cast<std::size_t>(h) * blocks + b) * page_size;
+      for (index_t t = 0; t < page_size; ++t) row[t] = w[t] * scale_at(plane, codes_bytes, page_size, t, b);
+    }
+  }
+}
+
 #if KVPACK_KERNELS_HAVE_VNNI
+
+/// The page loop of the AVX-512 integer key kernels: for every page and block of query heads,
+/// `tile(kG, kTiles, plane, t0, h0, scores, prefetcher)` scores kTiles·16 tokens from t0 (two
+/// 16-token tiles per pass give 2·kG accumulator chains; eight heads already give eight), then
+/// dead slots are masked. `steps` is the number of prefetcher steps a tile pass takes per page.
+template <class Tile>
+KVPACK_ALWAYS_INLINE void score_pages_vnni(const ScoreArgs<quant::NoParams>& args, index_t steps, Tile&& tile) {
+  const PageRun& run = args.run;
+  for (index_t i = 0; i < run.count; ++i) {
+    PagePrefetcher prefetcher(run, i, 1, steps);
+    const std::byte* plane = run.pages[i];
+    float* scores = args.scores + i * run.page_size;
+    for_each_head_block(args.group, [&](auto block, index_t h0) {
+      constexpr int kG = decltype(block)::value;
+      constexpr int kTiles = kG >= 8 ? 1 : 2;
+      float* out = scores + h0 * args.score_stride;
+      index_t t0 = 0;
+      for (; t0 + 16 * kTiles <= run.page_size; t0 += 16 * kTiles) {
+        tile(block, std::integral_constant<int, kTiles>{}, plane, t0, h0, out, prefetcher);
+      }
+      for (; t0 < run.page_size; t0 += 16) tile(block, std::integral_constant<int, 1>{}, plane, t0, h0, out, prefetcher);
+    });
+    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
+  }
+}
 
 // GCC 12 surrounds the vpdpwssd/vpdpbusd builtins with a register copy of the accumulator for
 // every call (measured 1.45x slower score loops); the instructions through inline asm keep the

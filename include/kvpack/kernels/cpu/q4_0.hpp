@@ -85,12 +85,7 @@ void score_q4_0_fma(A, const ScoreArgs<quant::NoParams>& args) noexcept {
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher prefetcher(run, i, 1, run.page_size / kTokens);
     const std::byte* plane = run.pages[i];
-    for (index_t b = 0; b < blocks; ++b) {
-      for (index_t t = 0; t < run.page_size; ++t) {
-        const float s = scale_at(plane, codes_bytes, run.page_size, t, b);
-        for (int r = 0; r < 4; ++r) quad_scales[b * 4 * run.page_size + 4 * t + r] = s;
-      }
-    }
+    replicate_scales<4>(plane, codes_bytes, run.page_size, blocks, quad_scales);
     float* scores = args.scores + i * run.page_size;
     for (index_t t0 = 0; t0 < run.page_size; t0 += kTokens) {
       prefetcher.step();
@@ -141,13 +136,8 @@ void accumulate_q4_0_fma(A, const AccumulateArgs<quant::NoParams>& args) noexcep
   float* scaled_weights = args.scratch;  // [group][blocks][page_size]
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
-    for (index_t h = 0; h < args.group; ++h) {
-      const float* w = args.weights + h * args.weight_stride + i * run.page_size;
-      for (index_t b = 0; b < blocks; ++b) {
-        float* row = scaled_weights + (static_cast<std::size_t>(h) * blocks + b) * run.page_size;
-        for (index_t t = 0; t < run.page_size; ++t) row[t] = w[t] * scale_at(plane, codes_bytes, run.page_size, t, b);
-      }
-    }
+    scale_weights(args.weights + i * run.page_size, args.weight_stride, args.group, plane, codes_bytes,
+                  run.page_size, blocks, scaled_weights);
     for (index_t b = 0; b < blocks; ++b) {
       for (index_t k0 = 0; k0 < 16; k0 += kChannels) {
         for_each_head_block(args.group, [&](auto block, index_t h0) {
@@ -264,27 +254,12 @@ inline void score_q4_0_vnni(xsimd::avx512bw, const ScoreArgs<quant::NoParams>& a
   const PageRun& run = args.run;
   const std::size_t codes_bytes = q4::KeyCodec::codes_bytes({run.page_size, run.head_dim});
   const Int8Query q = quantize_query_int8(xsimd::avx512bw{}, args.queries, args.group, run.head_dim, args.scratch);
-  // Inner steps per page for a group of up to four heads: two 16-token tiles per pass.
   const index_t steps = std::max<index_t>(1, run.page_size / 32) * (run.head_dim / 8);
-  for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher prefetcher(run, i, 1, steps);
-    const std::byte* plane = run.pages[i];
-    float* scores = args.scores + i * run.page_size;
-    for_each_head_block(args.group, [&](auto block, index_t h0) {
-      constexpr int kG = decltype(block)::value;
-      constexpr int kTiles = kG >= 8 ? 1 : 2;  // 2·kG chains, at most 16 accumulators
-      index_t t0 = 0;
-      for (; t0 + 16 * kTiles <= run.page_size; t0 += 16 * kTiles) {
-        score_q4_0_tile_vnni<kG, kTiles>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
-                                         scores + h0 * args.score_stride, args.score_stride, prefetcher);
-      }
-      for (; t0 < run.page_size; t0 += 16) {
-        score_q4_0_tile_vnni<kG, 1>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0,
-                                    scores + h0 * args.score_stride, args.score_stride, prefetcher);
-      }
-    });
-    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
-  }
+  score_pages_vnni(args, steps, [&](auto heads, auto tiles, const std::byte* plane, index_t t0, index_t h0,
+                                    float* scores, PagePrefetcher& prefetcher) {
+    score_q4_0_tile_vnni<decltype(heads)::value, decltype(tiles)::value>(
+        plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, scores, args.score_stride, prefetcher);
+  });
 }
 
 /// Values of kG heads for block b: one 64-byte row per token quad feeds the block's 16 low and
