@@ -20,6 +20,7 @@
 
 #include "kvpack/error.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
+#include "kvpack/quant/tile_layout.hpp"
 
 namespace kvpack_test::quant {
 
@@ -36,6 +37,13 @@ inline std::vector<PageGeometry> standard_geometries() {
     for (index_t d : {32, 64, 128}) out.push_back({p, d});
   }
   return out;
+}
+
+/// Byte of the 8-bit code of (t, c), from the documented pair tiles of the codec's plane.
+template <class Codec>
+std::size_t code_offset(PageGeometry g, index_t t, index_t c) {
+  return Codec::kPlane == Plane::kKey ? kvpack::quant::tile::key_byte(g, t, c)
+                                      : kvpack::quant::tile::value_byte(g, t, c);
 }
 
 inline std::string describe(PageGeometry g) {

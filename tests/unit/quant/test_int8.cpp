@@ -25,11 +25,6 @@ using namespace kvpack_test::quant;
 using KeyCodec = Int8Codec<Plane::kKey>;
 using ValueCodec = Int8Codec<Plane::kValue>;
 
-template <class Codec>
-std::size_t code_offset(PageGeometry g, index_t t, index_t c) {
-  return Codec::kPlane == Plane::kKey ? tile::key_byte(g, t, c) : tile::value_byte(g, t, c);
-}
-
 /// Byte of token t's fp16 scale: after the P*d codes, `fp16 scale[P]`.
 std::size_t doc_scale_offset(PageGeometry g, index_t t) {
   return static_cast<std::size_t>(g.page_size) * g.head_dim + 2 * static_cast<std::size_t>(t);

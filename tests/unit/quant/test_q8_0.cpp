@@ -27,12 +27,6 @@ using namespace kvpack_test::quant;
 using KeyCodec = Q8_0Codec<Plane::kKey>;
 using ValueCodec = Q8_0Codec<Plane::kValue>;
 
-/// Byte of the code of (t, c), from the documented tile layout of the codec's plane.
-template <class Codec>
-std::size_t code_offset(PageGeometry g, index_t t, index_t c) {
-  return Codec::kPlane == Plane::kKey ? tile::key_byte(g, t, c) : tile::value_byte(g, t, c);
-}
-
 /// Byte of the fp16 scale of (t, block b): after the P*d code bytes, `fp16 d[d/32][P]`.
 std::size_t doc_scale_offset(PageGeometry g, index_t t, index_t b) {
   return static_cast<std::size_t>(g.page_size) * g.head_dim +
