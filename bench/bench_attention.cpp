@@ -3,6 +3,8 @@
 // streaming read of 1 GiB (BM_StreamRead) so the fraction of the memory limit is visible in one
 // run. Each iteration attends one layer; iterations rotate over enough layers that the KV bytes
 // read (>= 512 MiB) cannot stay in any cache, so the numbers are DRAM numbers.
+// BM_AttendInCache repeats one 1K-token layer (0.6–4 MiB: L2/L3-resident) instead: its kv_GBps is
+// the kernel's compute ceiling. A codec whose in-cache rate is near its DRAM rate is compute-bound.
 //
 // Counters: kv_GBps (encoded bytes read per second: pages with their scales, plus the fp32 tail),
 // bytes_per_token (those bytes per token of one layer, all KV heads), GMACps (score and value
@@ -95,7 +97,8 @@ struct CacheFixture final : AttendFixture {
   std::unique_ptr<Cache> cache;
   SeqId seq = 0;
 
-  explicit CacheFixture(index_t context) {
+  /// `in_cache`: one layer, read again and again; otherwise enough layers to exceed the caches.
+  CacheFixture(index_t context, bool in_cache) {
     // One layer's K and V: keys with a few large channels, as real models have.
     const std::size_t elements = static_cast<std::size_t>(context) * kLayerShape.kv_heads * kLayerShape.head_dim;
     std::vector<half> keys(elements), values(elements);
@@ -119,7 +122,9 @@ struct CacheFixture final : AttendFixture {
       const std::size_t pages = static_cast<std::size_t>(context / probe.config().page_size) * shape.kv_heads;
       bytes_per_layer = pages * probe.page_format_info().payload_bytes;
     }
-    shape.layers = static_cast<index_t>(std::max<std::size_t>(2, (kWorkingSetBytes + bytes_per_layer - 1) / bytes_per_layer));
+    shape.layers = in_cache ? 1
+                            : static_cast<index_t>(std::max<std::size_t>(
+                                  2, (kWorkingSetBytes + bytes_per_layer - 1) / bytes_per_layer));
     layers = shape.layers;
     cache = std::make_unique<Cache>(shape, config);
     seq = cache->add_sequence();
@@ -149,11 +154,11 @@ std::map<std::string, double>& fp16_seconds() {
 }
 
 template <class Quantizer>
-void attend_benchmark(benchmark::State& state, index_t context, int threads) {
-  const std::string key = fmt::format("{}/{}", Quantizer::name(), context);
+void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache) {
+  const std::string key = fmt::format("{}/{}/{}", Quantizer::name(), context, in_cache);
   if (current_key() != key) {
     current_fixture().reset();  // free the previous codec's pages first
-    current_fixture() = std::make_unique<CacheFixture<Quantizer>>(context);
+    current_fixture() = std::make_unique<CacheFixture<Quantizer>>(context, in_cache);
     current_key() = key;
   }
   AttendFixture& fixture = *current_fixture();
@@ -172,7 +177,7 @@ void attend_benchmark(benchmark::State& state, index_t context, int threads) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double iterations = static_cast<double>(state.iterations());
-  const std::string baseline_key = fmt::format("{}/{}", context, threads);
+  const std::string baseline_key = fmt::format("{}/{}/{}", context, threads, in_cache);
   if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) fp16_seconds()[baseline_key] = seconds / iterations;
   if (const auto it = fp16_seconds().find(baseline_key); it != fp16_seconds().end()) {
     state.counters["speedup_vs_fp16"] = it->second / (seconds / iterations);
@@ -205,12 +210,19 @@ int main(int argc, char** argv) {
       for (int threads : {1, 2}) {
         benchmark::RegisterBenchmark(
             fmt::format("BM_Attend<{}>/ctx:{}/threads:{}", bench::row_name<Q>(), context, threads).c_str(),
-            [context, threads](benchmark::State& s) { attend_benchmark<Q>(s, context, threads); })
+            [context, threads](benchmark::State& s) { attend_benchmark<Q>(s, context, threads, false); })
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
       }
     });
   }
+  bench::for_each_quantizer([&](auto quantizer) {
+    using Q = decltype(quantizer);
+    benchmark::RegisterBenchmark(fmt::format("BM_AttendInCache<{}>/ctx:1024/threads:1", bench::row_name<Q>()).c_str(),
+                                 [](benchmark::State& s) { attend_benchmark<Q>(s, 1024, 1, true); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  });
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
