@@ -325,6 +325,52 @@ class KVCache {
   }
   [[nodiscard]] const paging::PagePool& pool() const noexcept { return pool_; }
 
+  /// What one stream of a layer holds, decoded: the tokens a policy kept (live slots of every
+  /// page, then the tail), in token order, as the attention kernels see them. For evaluation and
+  /// debugging (eval/ computes attention distributions from it); it allocates and runs the
+  /// codecs' scalar decoders, so it is not for the decode loop.
+  [[nodiscard]] StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const {
+    const Sequence& sequence = find(seq, "read_back");
+    check_layer(layer, "read_back");
+    KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
+                 detail::message("read_back: stream ", stream, " out of range [0, ", streams_, ")"));
+    const LayerState& state = sequence.layers[layer];
+    StoredTokens stored;
+    stored.key_dim = key_dim_;
+    stored.value_dim = value_dim_;
+    if (state.tables.empty()) return stored;
+    const index_t page = config_.page_size;
+    std::vector<float> keys(static_cast<std::size_t>(page) * key_dim_);
+    std::vector<float> values(static_cast<std::size_t>(page) * value_dim_);
+    const std::size_t p = static_cast<std::size_t>(layer) * streams_ + stream;
+    for (PageId id : state.tables[stream]) {
+      const std::byte* payload = pool_.payload(id);
+      quantizer_.key.decode(key_geometry(), payload, key_params_[p], keys.data());
+      quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[p], values.data());
+      const std::byte* metadata = pool_.metadata(id);
+      const std::byte* mask = metadata + static_cast<std::size_t>(page) * sizeof(std::int32_t);
+      for (index_t t = 0; t < page; ++t) {
+        std::uint64_t word = 0;
+        std::memcpy(&word, mask + static_cast<std::size_t>(t / 64) * sizeof(word), sizeof(word));
+        if (((word >> (t % 64)) & 1u) == 0) continue;
+        std::int32_t position = 0;
+        std::memcpy(&position, metadata + static_cast<std::size_t>(t) * sizeof(position), sizeof(position));
+        stored.positions.push_back(position);
+        stored.keys.insert(stored.keys.end(), keys.begin() + static_cast<std::ptrdiff_t>(t) * key_dim_,
+                           keys.begin() + static_cast<std::ptrdiff_t>(t + 1) * key_dim_);
+        stored.values.insert(stored.values.end(), values.begin() + static_cast<std::ptrdiff_t>(t) * value_dim_,
+                             values.begin() + static_cast<std::ptrdiff_t>(t + 1) * value_dim_);
+      }
+    }
+    const float* tail_k = state.tail_keys.data() + static_cast<std::size_t>(stream) * tail_capacity() * key_dim_;
+    const float* tail_v = state.tail_values.data() + static_cast<std::size_t>(stream) * tail_capacity() * value_dim_;
+    stored.positions.insert(stored.positions.end(), state.tail_positions.begin(),
+                            state.tail_positions.begin() + state.tail_count);
+    stored.keys.insert(stored.keys.end(), tail_k, tail_k + static_cast<std::size_t>(state.tail_count) * key_dim_);
+    stored.values.insert(stored.values.end(), tail_v, tail_v + static_cast<std::size_t>(state.tail_count) * value_dim_);
+    return stored;
+  }
+
  private:
   /// One layer of one sequence.
   struct LayerState {

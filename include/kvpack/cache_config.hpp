@@ -3,7 +3,9 @@
 /// \brief CacheConfig (how a KVCache pages and checks its data) and MemoryUsage (what it holds).
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/paging/page_pool.hpp"
@@ -61,6 +63,16 @@ struct MemoryUsage {
   [[nodiscard]] double bits_per_element() const noexcept {
     return stored_elements == 0 ? 0.0 : 8.0 * static_cast<double>(total()) / static_cast<double>(stored_elements);
   }
+};
+
+/// The decoded contents of one (sequence, layer, stream), from KVCache::read_back.
+struct StoredTokens {
+  index_t key_dim = 0;
+  index_t value_dim = 0;
+  std::vector<std::int32_t> positions;  ///< [n], increasing
+  std::vector<float> keys;              ///< [n][key_dim], as the kernels read them
+  std::vector<float> values;            ///< [n][value_dim]
+  [[nodiscard]] index_t size() const noexcept { return static_cast<index_t>(positions.size()); }
 };
 
 }  // namespace kvpack::inline v0

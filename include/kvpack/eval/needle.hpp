@@ -1,0 +1,366 @@
+#pragma once
+/// \file needle.hpp
+/// \brief The failure case (EVAL.md §2): a needle key/value planted at a chosen depth of a long
+///        synthetic context, ignored by every query seen while the prompt is read, then asked
+///        for by a question whose answer is the needle's value. Recall is reported per context
+///        length and depth, for any policy.
+///
+/// Construction, per KV head h: a random unit direction u_h and a unit value w_h; every other
+/// value is made orthogonal to w_h, so the needle coefficient of an output o is ⟨o, w_h⟩. The
+/// needle key is a_h·u_h (a_h: the head's RMS key norm) plus small noise. Prompt queries, the
+/// observation window given to prefill and the decode queries have their u_h component removed
+/// ("nobody asked yet"). The question is b_h·u_h, with b_h set by bisection so the needle takes
+/// `needle_mass` of the exact attention. Recall of one query head: |⟨o, w⟩ − ⟨o_ref, w⟩| ≤
+/// tolerance · |⟨o_ref, w⟩|, with o_ref the exact attention over all tokens in fp32.
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvpack/eval/exact_attention.hpp"
+#include "kvpack/eval/policies.hpp"
+#include "kvpack/eval/synthetic.hpp"
+
+namespace kvpack::inline v0::eval {
+
+struct NeedleSpec {
+  SyntheticSpec workload{.tokens = 4096};  ///< shape and character; `tokens` is set per context
+  std::vector<index_t> contexts{4096};
+  std::vector<double> depths{0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+  int seeds = 1;
+  index_t observation_window = 32;  ///< last prompt queries handed to prefill (SnapKV's window)
+  index_t decode_steps = 0;         ///< ordinary decode steps between prefill and the question
+  double needle_mass = 0.6;         ///< the needle's share of exact attention for the question
+  double tolerance = 0.1;           ///< relative error of the needle coefficient that still recalls
+
+  void validate() const {
+    workload.validate();
+    KVPACK_CHECK(!contexts.empty() && !depths.empty() && seeds > 0, kInvalidConfig,
+                 "NeedleSpec: needs at least one context, one depth and one seed");
+    for (index_t t : contexts) {
+      KVPACK_CHECK(t >= 2, kInvalidConfig, detail::message("NeedleSpec: context ", t, " is below 2 tokens"));
+    }
+    for (double d : depths) {
+      KVPACK_CHECK(d >= 0.0 && d <= 1.0, kInvalidConfig, detail::message("NeedleSpec: depth ", d, " outside [0, 1]"));
+    }
+    KVPACK_CHECK(needle_mass >= 0.5 && needle_mass < 1.0, kInvalidConfig,
+                 detail::message("NeedleSpec: needle_mass ", needle_mass, " must be in [0.5, 1)"));
+    KVPACK_CHECK(tolerance > 0.0 && observation_window >= 0 && decode_steps >= 0, kInvalidConfig,
+                 "NeedleSpec: tolerance must be positive, observation_window and decode_steps non-negative");
+  }
+};
+
+/// Recall at one (context, depth), over query heads and seeds.
+struct NeedleCell {
+  index_t context = 0;
+  double depth = 0.0;
+  int recalled = 0;
+  int trials = 0;
+  double worst_error = 0.0;  ///< largest relative error of the needle coefficient seen
+  [[nodiscard]] double recall() const noexcept { return trials == 0 ? 0.0 : static_cast<double>(recalled) / trials; }
+};
+
+struct NeedleReport {
+  std::vector<NeedleCell> cells;  ///< context-major, depths in NeedleSpec order
+
+  [[nodiscard]] double recall() const noexcept {
+    int recalled = 0, trials = 0;
+    for (const NeedleCell& c : cells) recalled += c.recalled, trials += c.trials;
+    return trials == 0 ? 0.0 : static_cast<double>(recalled) / trials;
+  }
+  /// One character per depth for `context`: '#' all recalled, '0'–'9' tenths recalled, '.' none.
+  [[nodiscard]] std::string compact(index_t context) const {
+    std::string s;
+    for (const NeedleCell& c : cells) {
+      if (c.context != context) continue;
+      const double r = c.recall();
+      s += r == 1.0 ? '#' : r == 0.0 ? '.' : static_cast<char>('0' + std::min(9, static_cast<int>(r * 10)));
+    }
+    return s;
+  }
+};
+
+/// The needle contexts of a spec, built once and shared by every policy measured on them.
+class NeedleSuite {
+ public:
+  explicit NeedleSuite(NeedleSpec spec) : spec_(std::move(spec)) {
+    spec_.validate();
+    for (index_t context : spec_.contexts) {
+      for (int seed = 0; seed < spec_.seeds; ++seed) haystacks_.push_back(make_haystack(context, seed));
+    }
+  }
+
+  [[nodiscard]] const NeedleSpec& spec() const noexcept { return spec_; }
+
+  /// Runs every (context, seed, depth) trial through a fresh cache of each policy; one report
+  /// per policy, in order. Each trial is built once and shared by all policies.
+  /// `progress(done, total)` is called after each trial when given.
+  [[nodiscard]] std::vector<NeedleReport> run(std::span<const Policy> policies, const CacheConfig& config = {},
+                                              const std::function<void(int, int)>& progress = {}) const {
+    std::vector<NeedleReport> reports(policies.size());
+    for (NeedleReport& report : reports) {
+      for (index_t context : spec_.contexts) {
+        for (double depth : spec_.depths) report.cells.push_back({context, depth, 0, 0, 0.0});
+      }
+    }
+    const int total = static_cast<int>(haystacks_.size() * spec_.depths.size());
+    int done = 0;
+    for (const Haystack& haystack : haystacks_) {
+      for (std::size_t d = 0; d < spec_.depths.size(); ++d) {
+        const Trial trial = build_trial(haystack, spec_.depths[d]);
+        const std::size_t cell = context_index(haystack.context) * spec_.depths.size() + d;
+        for (std::size_t p = 0; p < policies.size(); ++p) {
+          run_trial(policies[p], config, haystack, trial, reports[p].cells[cell]);
+        }
+        if (progress) progress(++done, total);
+      }
+    }
+    return reports;
+  }
+
+  [[nodiscard]] NeedleReport run(const Policy& policy, const CacheConfig& config = {}) const {
+    return run(std::span<const Policy>(&policy, 1), config).front();
+  }
+
+  /// Hands `inspect(kv, needle, window, question)` the inputs of the trial at the first seed of
+  /// contexts[context_index] and `depth`: for tests and for plotting what the policies see.
+  template <class Inspect>
+  void inspect_trial(std::size_t context_index, double depth, Inspect inspect) const {
+    KVPACK_CHECK(context_index < spec_.contexts.size(), kInvalidArgument, "inspect_trial: context index out of range");
+    const Trial trial = build_trial(haystacks_[context_index * static_cast<std::size_t>(spec_.seeds)], depth);
+    inspect(std::as_const(trial.kv), trial.needle, std::span<const float>(trial.window),
+            std::span<const float>(trial.question));
+  }
+
+ private:
+  /// One (context, seed): the synthetic layer with values orthogonal to each head's needle
+  /// value, the decode tokens that follow it, and the per-head needle geometry.
+  struct Haystack {
+    index_t context = 0;
+    std::uint32_t seed = 0;
+    LayerKV prompt;
+    LayerKV decode;                 ///< decode_steps extra tokens (positions context, context+1, ...)
+    std::vector<float> directions;  ///< u, [kv_heads][d]
+    std::vector<float> answers;     ///< w, [kv_heads][d]
+    std::vector<double> key_norms;  ///< a, [kv_heads]
+  };
+
+  [[nodiscard]] std::size_t context_index(index_t context) const {
+    for (std::size_t i = 0; i < spec_.contexts.size(); ++i) {
+      if (spec_.contexts[i] == context) return i;
+    }
+    return 0;
+  }
+
+  static void random_unit(std::mt19937& rng, float* out, index_t d) {
+    std::normal_distribution<double> normal;
+    double norm2 = 0.0;
+    std::vector<double> x(static_cast<std::size_t>(d));
+    for (double& v : x) {
+      v = normal(rng);
+      norm2 += v * v;
+    }
+    for (index_t c = 0; c < d; ++c) out[c] = static_cast<float>(x[c] / std::sqrt(norm2));
+  }
+
+  /// Removes from `x` its component along the unit vector `u`.
+  static void project_out(float* x, const float* u, index_t d) {
+    double dot = 0.0;
+    for (index_t c = 0; c < d; ++c) dot += static_cast<double>(x[c]) * u[c];
+    for (index_t c = 0; c < d; ++c) x[c] -= static_cast<float>(dot * u[c]);
+  }
+
+  [[nodiscard]] Haystack make_haystack(index_t context, int seed) const {
+    SyntheticSpec w = spec_.workload;
+    w.tokens = context + spec_.decode_steps;
+    w.seed = spec_.workload.seed + static_cast<std::uint32_t>(seed) * 7919u;
+    const LayerKV all = make_layer(w);
+    const index_t d = w.head_dim, heads = w.kv_heads;
+    Haystack h;
+    h.context = context;
+    h.seed = w.seed;
+    auto slice = [&](index_t begin, index_t count) {
+      LayerKV part{count, heads, d, {}, {}, all.recency_means};
+      part.keys.assign(all.keys.begin() + static_cast<std::ptrdiff_t>(all.offset(begin, 0)),
+                       all.keys.begin() + static_cast<std::ptrdiff_t>(all.offset(begin + count, 0)));
+      part.values.assign(all.values.begin() + static_cast<std::ptrdiff_t>(all.offset(begin, 0)),
+                         all.values.begin() + static_cast<std::ptrdiff_t>(all.offset(begin + count, 0)));
+      return part;
+    };
+    h.prompt = slice(0, context);
+    h.decode = slice(context, spec_.decode_steps);
+    std::mt19937 rng(w.seed ^ 0x5EEDu);
+    h.directions.resize(static_cast<std::size_t>(heads) * d);
+    h.answers.resize(h.directions.size());
+    h.key_norms.resize(static_cast<std::size_t>(heads));
+    for (index_t head = 0; head < heads; ++head) {
+      random_unit(rng, &h.directions[head * d], d);
+      random_unit(rng, &h.answers[head * d], d);
+      double norm2 = 0.0;
+      for (index_t t = 0; t < context; ++t) {
+        for (index_t c = 0; c < d; ++c) norm2 += static_cast<double>(h.prompt.key(t, head)[c]) * h.prompt.key(t, head)[c];
+        project_out(h.prompt.value(t, head), &h.answers[head * d], d);
+      }
+      for (index_t t = 0; t < spec_.decode_steps; ++t) project_out(h.decode.value(t, head), &h.answers[head * d], d);
+      h.key_norms[head] = std::sqrt(norm2 / context);
+    }
+    return h;
+  }
+
+  /// Queries of the workload at `positions` with every head's needle direction removed.
+  [[nodiscard]] std::vector<float> blind_queries(const Haystack& h, const LayerKV& kv,
+                                                 const std::vector<std::int64_t>& positions, index_t needle,
+                                                 std::uint32_t seed) const {
+    SyntheticSpec w = spec_.workload;
+    w.tokens = kv.tokens;
+    std::vector<float> q = make_queries(w, kv, positions, seed, needle);
+    const index_t d = w.head_dim, group = w.q_heads / w.kv_heads;
+    for (std::size_t row = 0; row < q.size() / d; ++row) {
+      const index_t head = static_cast<index_t>(row % w.q_heads) / group;
+      project_out(&q[row * d], &h.directions[head * d], d);
+    }
+    return q;
+  }
+
+  /// Everything one trial feeds a cache, built from a haystack and a depth.
+  struct Trial {
+    LayerKV kv;  ///< prompt then decode tokens, needle planted
+    index_t needle = 0;
+    std::vector<float> window;                       ///< [W][q_heads][d] observation queries
+    std::vector<std::vector<float>> decode_queries;  ///< one [q_heads][d] per decode step
+    std::vector<float> question;                     ///< [q_heads][d]
+    std::vector<double> answer;  ///< [q_heads] needle coefficient ⟨o_ref, w⟩ of exact attention
+  };
+
+  [[nodiscard]] Trial build_trial(const Haystack& h, double depth) const {
+    const SyntheticSpec& w = spec_.workload;
+    const index_t d = w.head_dim, heads = w.kv_heads, group = w.q_heads / w.kv_heads;
+    const index_t context = h.context;
+    Trial trial;
+    trial.needle = static_cast<index_t>(std::floor(depth * (context - 1)));
+    std::mt19937 rng(h.seed + static_cast<std::uint32_t>(trial.needle) * 31u);
+    std::normal_distribution<float> normal;
+
+    LayerKV& kv = trial.kv;
+    kv = {context + spec_.decode_steps, heads, d, h.prompt.keys, h.prompt.values, h.prompt.recency_means};
+    kv.keys.insert(kv.keys.end(), h.decode.keys.begin(), h.decode.keys.end());
+    kv.values.insert(kv.values.end(), h.decode.values.begin(), h.decode.values.end());
+    for (index_t head = 0; head < heads; ++head) {
+      const double a = h.key_norms[head];
+      float* k = kv.key(trial.needle, head);
+      for (index_t c = 0; c < d; ++c) {
+        k[c] = static_cast<float>(a * h.directions[head * d + c] + 0.02 * a / std::sqrt(d) * normal(rng));
+      }
+      std::copy_n(&h.answers[head * d], d, kv.value(trial.needle, head));
+    }
+
+    const index_t window = std::min(spec_.observation_window, context);
+    std::vector<std::int64_t> window_positions;
+    for (index_t t = context - window; t < context; ++t) window_positions.push_back(t + 1);
+    if (window > 0) trial.window = blind_queries(h, kv, window_positions, trial.needle, h.seed + 1);
+    for (index_t step = 0; step < spec_.decode_steps; ++step) {
+      trial.decode_queries.push_back(
+          blind_queries(h, kv, {context + step + 1}, trial.needle, h.seed + 2 + static_cast<std::uint32_t>(step)));
+    }
+
+    // The question, per KV head: b·u (plus noise orthogonal to u) with b giving the needle
+    // `needle_mass` of the exact attention over every token.
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    trial.question.resize(static_cast<std::size_t>(w.q_heads) * d);
+    for (index_t head = 0; head < heads; ++head) {
+      const float* u = &h.directions[head * d];
+      std::vector<double> projection(static_cast<std::size_t>(kv.tokens));
+      for (index_t t = 0; t < kv.tokens; ++t) {
+        double dot = 0.0;
+        for (index_t c = 0; c < d; ++c) dot += static_cast<double>(u[c]) * kv.key(t, head)[c];
+        projection[t] = dot * scale;
+      }
+      const double b = strength_for_mass(projection, trial.needle, spec_.needle_mass);
+      for (index_t g = 0; g < group; ++g) {
+        float* q = &trial.question[static_cast<std::size_t>(head * group + g) * d];
+        for (index_t c = 0; c < d; ++c) q[c] = static_cast<float>(0.05 * b / std::sqrt(d)) * normal(rng);
+        project_out(q, u, d);
+        for (index_t c = 0; c < d; ++c) q[c] += static_cast<float>(b * u[c]);
+      }
+    }
+    const std::ptrdiff_t stride = static_cast<std::ptrdiff_t>(heads) * d;
+    std::vector<double> reference(static_cast<std::size_t>(d));
+    for (index_t qh = 0; qh < w.q_heads; ++qh) {
+      const index_t head = qh / group;
+      exact_attention_head({kv.keys.data() + head * d, stride, kv.tokens, d},
+                           {kv.values.data() + head * d, stride, kv.tokens, d},
+                           &trial.question[static_cast<std::size_t>(qh) * d], scale, reference.data());
+      double coefficient = 0.0;
+      for (index_t c = 0; c < d; ++c) coefficient += reference[c] * h.answers[head * d + c];
+      trial.answer.push_back(coefficient);
+    }
+    return trial;
+  }
+
+  void run_trial(const Policy& policy, const CacheConfig& config, const Haystack& h, const Trial& trial,
+                 NeedleCell& cell) const {
+    const LayerKV& kv = trial.kv;
+    const SyntheticSpec& w = spec_.workload;
+    const index_t d = w.head_dim, heads = w.kv_heads, group = w.q_heads / w.kv_heads;
+    const index_t context = h.context;
+
+    const std::unique_ptr<AnyCache> cache = policy.make({1, w.q_heads, heads, d}, config);
+    const SeqId seq = cache->add_sequence();
+    const std::size_t prompt_elements = kv.offset(context, 0);
+    cache->prefill(seq, 0, std::span<const float>(kv.keys.data(), prompt_elements),
+                   std::span<const float>(kv.values.data(), prompt_elements), trial.window);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<float> out(trial.question.size());
+    const std::size_t kv_row = static_cast<std::size_t>(heads) * d;
+    for (index_t step = 0; step < spec_.decode_steps; ++step) {
+      const index_t t = context + step;
+      cache->append(seq, 0, std::span<const float>(kv.key(t, 0), kv_row), std::span<const float>(kv.value(t, 0), kv_row), t);
+      cache->attend(seq, 0, std::span<const float>(trial.decode_queries[step]), std::span<float>(out), scale);
+    }
+    cache->attend(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale);
+
+    for (index_t qh = 0; qh < w.q_heads; ++qh) {
+      const index_t head = qh / group;
+      double c = 0.0;
+      for (index_t ch = 0; ch < d; ++ch) {
+        c += static_cast<double>(out[static_cast<std::size_t>(qh) * d + ch]) * h.answers[head * d + ch];
+      }
+      const double error = std::fabs(c - trial.answer[qh]) / std::fabs(trial.answer[qh]);
+      cell.worst_error = std::max(cell.worst_error, std::isnan(error) ? INFINITY : error);
+      cell.recalled += error <= spec_.tolerance ? 1 : 0;
+      ++cell.trials;
+    }
+  }
+
+  /// The b ≥ 0 at which softmax(b · projection) gives token `needle` the share `mass`
+  /// (bisection: the share grows with b once the needle has the largest projection).
+  static double strength_for_mass(const std::vector<double>& projection, index_t needle, double mass) {
+    auto share = [&](double b) {
+      double top = -INFINITY;
+      for (double p : projection) top = std::max(top, b * p);
+      double sum = 0.0;
+      for (double p : projection) sum += std::exp(b * p - top);
+      return std::exp(b * projection[needle] - top) / sum;
+    };
+    double low = 0.0, high = 1.0;
+    for (int i = 0; i < 60 && share(high) < mass; ++i) high *= 2.0;
+    KVPACK_CHECK(share(high) >= mass, kInvalidArgument,
+                 "needle: no question strength gives the needle the requested attention mass "
+                 "(another key projects further along the needle direction)");
+    for (int i = 0; i < 50; ++i) {
+      const double mid = 0.5 * (low + high);
+      (share(mid) < mass ? low : high) = mid;
+    }
+    return high;
+  }
+
+  NeedleSpec spec_;
+  std::vector<Haystack> haystacks_;
+};
+
+}  // namespace kvpack::inline v0::eval

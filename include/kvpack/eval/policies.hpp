@@ -1,0 +1,128 @@
+#pragma once
+/// \file policies.hpp
+/// \brief Policies chosen at run time: a type-erased KVCache (`AnyCache`) and the registry of
+///        built-in policy names, so one binary (compare_policies, the llama2c engine, a user's
+///        sweep) can run every combination from a command line.
+///
+/// Engines that know their policy at compile time should use KVCache directly; the virtual
+/// calls here cost nothing next to attention but hide the concrete type.
+
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvpack/kvpack.hpp"
+
+namespace kvpack::inline v0::eval {
+
+/// The KVCache API with the policy types erased. Every call forwards to KVCache and keeps its
+/// errors and guarantees.
+class AnyCache {
+ public:
+  virtual ~AnyCache() = default;
+  [[nodiscard]] virtual const ModelShape& shape() const noexcept = 0;
+  [[nodiscard]] virtual const CacheConfig& config() const noexcept = 0;
+  [[nodiscard]] virtual SeqId add_sequence() = 0;
+  virtual void prefill(SeqId seq, index_t layer, std::span<const float> keys, std::span<const float> values,
+                       std::span<const float> observation_queries = {}) = 0;
+  virtual void append(SeqId seq, index_t layer, std::span<const float> key, std::span<const float> value,
+                      std::int64_t position) = 0;
+  virtual void attend(SeqId seq, index_t layer, std::span<const float> query, std::span<float> out,
+                      float scale) const = 0;
+  [[nodiscard]] virtual SeqId fork(SeqId seq) = 0;
+  virtual void release(SeqId seq) = 0;
+  [[nodiscard]] virtual index_t length(SeqId seq, index_t layer) const = 0;
+  [[nodiscard]] virtual MemoryUsage memory() const noexcept = 0;
+  [[nodiscard]] virtual StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const = 0;
+  /// The quantizer's documented rate (key and value planes averaged), metadata included.
+  [[nodiscard]] virtual double nominal_bits_per_element() const noexcept = 0;
+};
+
+/// AnyCache over one concrete KVCache type.
+template <class Cache>
+class CacheAdapter final : public AnyCache {
+ public:
+  template <class... Args>
+  explicit CacheAdapter(Args&&... args) : cache_(std::forward<Args>(args)...) {}
+
+  [[nodiscard]] Cache& cache() noexcept { return cache_; }
+  [[nodiscard]] const ModelShape& shape() const noexcept override { return cache_.shape(); }
+  [[nodiscard]] const CacheConfig& config() const noexcept override { return cache_.config(); }
+  [[nodiscard]] SeqId add_sequence() override { return cache_.add_sequence(); }
+  void prefill(SeqId seq, index_t layer, std::span<const float> keys, std::span<const float> values,
+               std::span<const float> observation_queries) override {
+    cache_.prefill(seq, layer, keys, values, observation_queries);
+  }
+  void append(SeqId seq, index_t layer, std::span<const float> key, std::span<const float> value,
+              std::int64_t position) override {
+    cache_.append(seq, layer, key, value, position);
+  }
+  void attend(SeqId seq, index_t layer, std::span<const float> query, std::span<float> out,
+              float scale) const override {
+    cache_.attend(seq, layer, query, out, scale);
+  }
+  [[nodiscard]] SeqId fork(SeqId seq) override { return cache_.fork(seq); }
+  void release(SeqId seq) override { cache_.release(seq); }
+  [[nodiscard]] index_t length(SeqId seq, index_t layer) const override { return cache_.length(seq, layer); }
+  [[nodiscard]] MemoryUsage memory() const noexcept override { return cache_.memory(); }
+  [[nodiscard]] StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const override {
+    return cache_.read_back(seq, layer, stream);
+  }
+  [[nodiscard]] double nominal_bits_per_element() const noexcept override {
+    const index_t d = cache_.shape().head_dim;
+    return 0.5 * (cache_.quantizer().key.nominal_bits_per_element(d) +
+                  cache_.quantizer().value.nominal_bits_per_element(d));
+  }
+
+ private:
+  Cache cache_;
+};
+
+/// A named policy and how to build a cache with it.
+struct Policy {
+  std::string name;         ///< what command lines take, e.g. "q4_0"
+  std::string description;  ///< the C++ type, e.g. "KVCache<GQA, Q4_0>"
+  std::function<std::unique_ptr<AnyCache>(const ModelShape&, const CacheConfig&)> make;
+};
+
+/// A Policy for KVCache<layout::GQA, Quantizer, Evictor, Selector>.
+template <class Quantizer, class Evictor = evict::KeepAll, class Selector = select::DenseRead>
+Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}) {
+  using Cache = KVCache<layout::GQA, Quantizer, Evictor, Selector>;
+  return {std::move(name), std::move(description),
+          [quantizer](const ModelShape& shape, const CacheConfig& config) -> std::unique_ptr<AnyCache> {
+            return std::make_unique<CacheAdapter<Cache>>(shape, config, quantizer);
+          }};
+}
+
+/// Every built-in policy, full precision first. New policies add themselves here.
+inline std::vector<Policy> builtin_policies() {
+  return {
+      make_policy<quant::Float<float>>("f32", "Float<float>"),
+      make_policy<quant::Float<half>>("f16", "Float<half>"),
+      make_policy<quant::Float<bfloat16>>("bf16", "Float<bfloat16>"),
+      make_policy<quant::FP8<quant::E4M3FN>>("fp8-e4m3", "FP8<E4M3FN>, calibrated per tensor"),
+      make_policy<quant::FP8<quant::E5M2>>("fp8-e5m2", "FP8<E5M2>, calibrated per tensor"),
+      make_policy<quant::Int8>("int8", "Int8, per-token symmetric"),
+      make_policy<quant::Q8_0>("q8_0", "Q8_0 (llama.cpp block_q8_0)"),
+      make_policy<quant::Q4_0>("q4_0", "Q4_0 (llama.cpp block_q4_0)"),
+      make_policy<quant::Mixed<quant::Q8_0, quant::Q4_0>>("q8_0/q4_0", "Mixed<Q8_0 keys, Q4_0 values>"),
+  };
+}
+
+/// The built-in policy called `name`.
+/// \throws kvpack::Error (kInvalidArgument) naming the known policies when there is none.
+inline Policy find_policy(std::string_view name) {
+  std::string known;
+  for (Policy& policy : builtin_policies()) {
+    if (policy.name == name) return std::move(policy);
+    known += (known.empty() ? "" : ", ") + policy.name;
+  }
+  throw Error(ErrorCode::kInvalidArgument, detail::message("unknown policy '", name, "'; known: ", known));
+}
+
+}  // namespace kvpack::inline v0::eval
