@@ -111,12 +111,14 @@ class NeedleSuite {
     const int total = static_cast<int>(haystacks_.size() * spec_.depths.size());
     int done = 0;
     for (const Haystack& haystack : haystacks_) {
+      LayerKV kv = haystack.tokens;  // one working copy per haystack; needles are planted and removed
       for (std::size_t d = 0; d < spec_.depths.size(); ++d) {
-        const Trial trial = build_trial(haystack, spec_.depths[d]);
+        const Trial trial = plant(haystack, kv, spec_.depths[d]);
         const std::size_t cell = context_index(haystack.context) * spec_.depths.size() + d;
         for (std::size_t p = 0; p < policies.size(); ++p) {
-          run_trial(policies[p], config, haystack, trial, reports[p].cells[cell]);
+          run_trial(policies[p], config, haystack, kv, trial, reports[p].cells[cell]);
         }
+        remove(haystack, kv, trial.needle);
         if (progress) progress(++done, total);
       }
     }
@@ -132,9 +134,10 @@ class NeedleSuite {
   template <class Inspect>
   void inspect_trial(std::size_t context_index, double depth, Inspect inspect) const {
     KVPACK_CHECK(context_index < spec_.contexts.size(), kInvalidArgument, "inspect_trial: context index out of range");
-    const Trial trial = build_trial(haystacks_[context_index * static_cast<std::size_t>(spec_.seeds)], depth);
-    inspect(std::as_const(trial.kv), trial.needle, std::span<const float>(trial.window),
-            std::span<const float>(trial.question));
+    const Haystack& haystack = haystacks_[context_index * static_cast<std::size_t>(spec_.seeds)];
+    LayerKV kv = haystack.tokens;
+    const Trial trial = plant(haystack, kv, depth);
+    inspect(std::as_const(kv), trial.needle, std::span<const float>(trial.window), std::span<const float>(trial.question));
   }
 
  private:
@@ -143,8 +146,7 @@ class NeedleSuite {
   struct Haystack {
     index_t context = 0;
     std::uint32_t seed = 0;
-    LayerKV prompt;
-    LayerKV decode;                 ///< decode_steps extra tokens (positions context, context+1, ...)
+    LayerKV tokens;                 ///< the prompt's `context` tokens, then decode_steps more
     std::vector<float> directions;  ///< u, [kv_heads][d]
     std::vector<float> answers;     ///< w, [kv_heads][d]
     std::vector<double> key_norms;  ///< a, [kv_heads]
@@ -179,21 +181,11 @@ class NeedleSuite {
     SyntheticSpec w = spec_.workload;
     w.tokens = context + spec_.decode_steps;
     w.seed = spec_.workload.seed + static_cast<std::uint32_t>(seed) * 7919u;
-    const LayerKV all = make_layer(w);
     const index_t d = w.head_dim, heads = w.kv_heads;
     Haystack h;
     h.context = context;
     h.seed = w.seed;
-    auto slice = [&](index_t begin, index_t count) {
-      LayerKV part{count, heads, d, {}, {}, all.recency_means};
-      part.keys.assign(all.keys.begin() + static_cast<std::ptrdiff_t>(all.offset(begin, 0)),
-                       all.keys.begin() + static_cast<std::ptrdiff_t>(all.offset(begin + count, 0)));
-      part.values.assign(all.values.begin() + static_cast<std::ptrdiff_t>(all.offset(begin, 0)),
-                         all.values.begin() + static_cast<std::ptrdiff_t>(all.offset(begin + count, 0)));
-      return part;
-    };
-    h.prompt = slice(0, context);
-    h.decode = slice(context, spec_.decode_steps);
+    h.tokens = make_layer(w);
     std::mt19937 rng(w.seed ^ 0x5EEDu);
     h.directions.resize(static_cast<std::size_t>(heads) * d);
     h.answers.resize(h.directions.size());
@@ -202,11 +194,12 @@ class NeedleSuite {
       random_unit(rng, &h.directions[head * d], d);
       random_unit(rng, &h.answers[head * d], d);
       double norm2 = 0.0;
-      for (index_t t = 0; t < context; ++t) {
-        for (index_t c = 0; c < d; ++c) norm2 += static_cast<double>(h.prompt.key(t, head)[c]) * h.prompt.key(t, head)[c];
-        project_out(h.prompt.value(t, head), &h.answers[head * d], d);
+      for (index_t t = 0; t < h.tokens.tokens; ++t) {
+        if (t < context) {
+          for (index_t c = 0; c < d; ++c) norm2 += static_cast<double>(h.tokens.key(t, head)[c]) * h.tokens.key(t, head)[c];
+        }
+        project_out(h.tokens.value(t, head), &h.answers[head * d], d);
       }
-      for (index_t t = 0; t < spec_.decode_steps; ++t) project_out(h.decode.value(t, head), &h.answers[head * d], d);
       h.key_norms[head] = std::sqrt(norm2 / context);
     }
     return h;
@@ -227,9 +220,8 @@ class NeedleSuite {
     return q;
   }
 
-  /// Everything one trial feeds a cache, built from a haystack and a depth.
+  /// What one trial feeds a cache besides the tokens (which hold the planted needle).
   struct Trial {
-    LayerKV kv;  ///< prompt then decode tokens, needle planted
     index_t needle = 0;
     std::vector<float> window;                       ///< [W][q_heads][d] observation queries
     std::vector<std::vector<float>> decode_queries;  ///< one [q_heads][d] per decode step
@@ -237,7 +229,8 @@ class NeedleSuite {
     std::vector<double> answer;  ///< [q_heads] needle coefficient ⟨o_ref, w⟩ of exact attention
   };
 
-  [[nodiscard]] Trial build_trial(const Haystack& h, double depth) const {
+  /// Plants the needle for `depth` into `kv` (a copy of h.tokens) and builds the queries.
+  [[nodiscard]] Trial plant(const Haystack& h, LayerKV& kv, double depth) const {
     const SyntheticSpec& w = spec_.workload;
     const index_t d = w.head_dim, heads = w.kv_heads, group = w.q_heads / w.kv_heads;
     const index_t context = h.context;
@@ -246,10 +239,6 @@ class NeedleSuite {
     std::mt19937 rng(h.seed + static_cast<std::uint32_t>(trial.needle) * 31u);
     std::normal_distribution<float> normal;
 
-    LayerKV& kv = trial.kv;
-    kv = {context + spec_.decode_steps, heads, d, h.prompt.keys, h.prompt.values, h.prompt.recency_means};
-    kv.keys.insert(kv.keys.end(), h.decode.keys.begin(), h.decode.keys.end());
-    kv.values.insert(kv.values.end(), h.decode.values.begin(), h.decode.values.end());
     for (index_t head = 0; head < heads; ++head) {
       const double a = h.key_norms[head];
       float* k = kv.key(trial.needle, head);
@@ -302,9 +291,17 @@ class NeedleSuite {
     return trial;
   }
 
-  void run_trial(const Policy& policy, const CacheConfig& config, const Haystack& h, const Trial& trial,
-                 NeedleCell& cell) const {
-    const LayerKV& kv = trial.kv;
+  /// Puts back the haystack's own token where `plant` put the needle.
+  static void remove(const Haystack& h, LayerKV& kv, index_t needle) {
+    const std::size_t begin = kv.offset(needle, 0), end = kv.offset(needle + 1, 0);
+    std::copy(h.tokens.keys.begin() + static_cast<std::ptrdiff_t>(begin), h.tokens.keys.begin() + static_cast<std::ptrdiff_t>(end),
+              kv.keys.begin() + static_cast<std::ptrdiff_t>(begin));
+    std::copy(h.tokens.values.begin() + static_cast<std::ptrdiff_t>(begin),
+              h.tokens.values.begin() + static_cast<std::ptrdiff_t>(end), kv.values.begin() + static_cast<std::ptrdiff_t>(begin));
+  }
+
+  void run_trial(const Policy& policy, const CacheConfig& config, const Haystack& h, const LayerKV& kv,
+                 const Trial& trial, NeedleCell& cell) const {
     const SyntheticSpec& w = spec_.workload;
     const index_t d = w.head_dim, heads = w.kv_heads, group = w.q_heads / w.kv_heads;
     const index_t context = h.context;
@@ -352,7 +349,7 @@ class NeedleSuite {
     KVPACK_CHECK(share(high) >= mass, kInvalidArgument,
                  "needle: no question strength gives the needle the requested attention mass "
                  "(another key projects further along the needle direction)");
-    for (int i = 0; i < 50; ++i) {
+    for (int i = 0; i < 30; ++i) {  // 2^-30 of the bracket: far finer than any mass that matters
       const double mid = 0.5 * (low + high);
       (share(mid) < mass ? low : high) = mid;
     }

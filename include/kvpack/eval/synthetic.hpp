@@ -52,10 +52,17 @@ struct SyntheticSpec {
   }
 };
 
-/// Rotates pairs (2j, 2j+1) of `row` by position · theta^(-2j/d) (RoPE, adjacent-pair form).
-inline void apply_rope(float* row, index_t head_dim, std::int64_t position, double theta) {
-  for (index_t j = 0; j < head_dim / 2; ++j) {
-    const double angle = static_cast<double>(position) * std::pow(theta, -2.0 * j / head_dim);
+/// RoPE's rotation frequencies theta^(-2j/d), j < d/2.
+inline std::vector<double> rope_frequencies(index_t head_dim, double theta) {
+  std::vector<double> frequencies(static_cast<std::size_t>(head_dim / 2));
+  for (index_t j = 0; j < head_dim / 2; ++j) frequencies[j] = std::pow(theta, -2.0 * j / head_dim);
+  return frequencies;
+}
+
+/// Rotates pairs (2j, 2j+1) of `row` by position · frequencies[j] (RoPE, adjacent-pair form).
+inline void apply_rope(float* row, std::span<const double> frequencies, std::int64_t position) {
+  for (std::size_t j = 0; j < frequencies.size(); ++j) {
+    const double angle = static_cast<double>(position) * frequencies[j];
     const double c = std::cos(angle), s = std::sin(angle);
     const double x = row[2 * j], y = row[2 * j + 1];
     row[2 * j] = static_cast<float>(x * c - y * s);
@@ -125,6 +132,7 @@ inline LayerKV make_layer(const SyntheticSpec& spec, index_t layer = 0) {
       kv.recency_means[h * d + 2 * j + 1] = static_cast<float>(2.0 * std::sin(angle));
     }
   }
+  const std::vector<double> frequencies = rope_frequencies(d, spec.rope_theta);
   for (index_t t = 0; t < spec.tokens; ++t) {
     for (index_t h = 0; h < spec.kv_heads; ++h) {
       float* k = kv.key(t, h);
@@ -134,7 +142,7 @@ inline LayerKV make_layer(const SyntheticSpec& spec, index_t layer = 0) {
         k[c] = normal(rng) * (outlier ? spec.outlier_scale : 1.0f) + kv.recency_means[h * d + c];
         v[c] = normal(rng);
       }
-      apply_rope(k, d, t, spec.rope_theta);
+      apply_rope(k, frequencies, t);
     }
   }
   return kv;
@@ -142,6 +150,7 @@ inline LayerKV make_layer(const SyntheticSpec& spec, index_t layer = 0) {
 
 /// One decode query per entry of `positions` ([count][q_heads][head_dim]), each asked at that
 /// position (it attends to tokens before it): background + sinks + recency + content matches.
+/// `kv` may be synthetic or loaded from a dump (then without recency); spec gives the shape.
 /// `exclude`, when in range, is a token no content match may pick (a planted needle).
 inline std::vector<float> make_queries(const SyntheticSpec& spec, const LayerKV& kv,
                                        std::span<const std::int64_t> positions, std::uint32_t query_seed,
@@ -162,6 +171,7 @@ inline std::vector<float> make_queries(const SyntheticSpec& spec, const LayerKV&
   mean_norm2 /= sample;
   const double noise = sqrt_d / std::sqrt(mean_norm2 * d);
 
+  const std::vector<double> frequencies = rope_frequencies(d, spec.rope_theta);
   std::vector<float> queries(positions.size() * spec.q_heads * d);
   std::vector<float> rotated_mean(static_cast<std::size_t>(d));
   for (std::size_t n = 0; n < positions.size(); ++n) {
@@ -173,14 +183,17 @@ inline std::vector<float> make_queries(const SyntheticSpec& spec, const LayerKV&
       const index_t head = h / group;
       for (index_t c = 0; c < d; ++c) q[c] = static_cast<float>(noise * normal(rng));
       // Recency: the head's key mean rotated to the query's position; its score against token t
-      // is recency_boost · Σ_j |m_j|² cos((position − t) ω_j) / |m|².
-      const float* mean = &kv.recency_means[static_cast<std::size_t>(head) * d];
-      double mean_norm2_h = 0.0;
-      for (index_t c = 0; c < d; ++c) mean_norm2_h += static_cast<double>(mean[c]) * mean[c];
-      std::copy(mean, mean + d, rotated_mean.begin());
-      apply_rope(rotated_mean.data(), d, position, spec.rope_theta);
-      for (index_t c = 0; c < d; ++c) {
-        q[c] += static_cast<float>(spec.recency_boost * sqrt_d * rotated_mean[c] / mean_norm2_h);
+      // is recency_boost · Σ_j |m_j|² cos((position − t) ω_j) / |m|². K/V from a dump have no
+      // recency mean: their queries get sinks and content matches only.
+      if (!kv.recency_means.empty()) {
+        const float* mean = &kv.recency_means[static_cast<std::size_t>(head) * d];
+        double mean_norm2_h = 0.0;
+        for (index_t c = 0; c < d; ++c) mean_norm2_h += static_cast<double>(mean[c]) * mean[c];
+        std::copy(mean, mean + d, rotated_mean.begin());
+        apply_rope(rotated_mean.data(), frequencies, position);
+        for (index_t c = 0; c < d; ++c) {
+          q[c] += static_cast<float>(spec.recency_boost * sqrt_d * rotated_mean[c] / mean_norm2_h);
+        }
       }
       // Peaks: adding boost·sqrt(d)·k/|k|² raises that token's scaled score by `boost`.
       auto raise = [&](index_t t, double boost) {
