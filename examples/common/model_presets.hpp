@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "kvpack/core/types.hpp"
@@ -91,6 +92,16 @@ static_assert(std::all_of(kModels.begin(), kModels.end(),
     if (detail::iequals(model.name, name)) return model;
   }
   return std::nullopt;
+}
+
+/// "Llama-3.1-8B, Llama-3.1-70B, ...": every preset name, for the unknown-model message.
+[[nodiscard]] inline std::string model_names() {
+  std::string out;
+  for (const NamedModel& model : detail::kModels) {
+    if (!out.empty()) out += ", ";
+    out += model.name;
+  }
+  return out;
 }
 
 /// Bytes of KV cache for `sequences` sequences of `tokens` tokens each:
