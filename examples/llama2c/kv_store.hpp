@@ -1,0 +1,106 @@
+#pragma once
+/// \file kv_store.hpp
+/// \brief Where a forward pass keeps each token's keys and values, and how attention reads them:
+///        through a kvpack cache (the engine) or exactly, in double (the oracle).
+///
+/// The transformer is the same code over either store, so any difference in logits is the cache's.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "kvpack/eval/policies.hpp"
+
+namespace llama2c {
+
+/// The keys and values of one text, layer by layer, and attention over them.
+class KvStore {
+ public:
+  virtual ~KvStore() = default;
+  /// Stores one token of `layer`: key and value [kv_heads][head_dim], RoPE already applied to
+  /// the key. Positions grow by at least one per call.
+  virtual void append(int layer, std::span<const float> key, std::span<const float> value, int position) = 0;
+  /// Softmax attention of query [q_heads][head_dim] over every token stored for `layer`;
+  /// query head h reads KV head h / (q_heads / kv_heads). Writes out [q_heads][head_dim].
+  virtual void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const = 0;
+};
+
+/// One sequence in a kvpack cache, which it owns.
+class CacheKvStore final : public KvStore {
+ public:
+  explicit CacheKvStore(std::unique_ptr<kvpack::eval::AnyCache> cache)
+      : cache_(std::move(cache)), sequence_(cache_->add_sequence()) {}
+
+  /// A fresh cache of `policy`. Throws kvpack::Error when the policy cannot hold this shape
+  /// (e.g. q4_0's 32-element blocks with head_dim 8).
+  CacheKvStore(const kvpack::eval::Policy& policy, const kvpack::ModelShape& shape, const kvpack::CacheConfig& config)
+      : CacheKvStore(policy.make(shape, config)) {}
+
+  void append(int layer, std::span<const float> key, std::span<const float> value, int position) override {
+    cache_->append(sequence_, layer, key, value, position);
+  }
+  void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const override {
+    cache_->attend(sequence_, layer, query, out, scale);
+  }
+
+  [[nodiscard]] const kvpack::eval::AnyCache& cache() const noexcept { return *cache_; }
+
+ private:
+  std::unique_ptr<kvpack::eval::AnyCache> cache_;
+  kvpack::SeqId sequence_;
+};
+
+/// Keys and values as given, in std::vector; attention computed naively in double. The oracle
+/// the cached engine is tested against.
+class ExactKvStore final : public KvStore {
+ public:
+  explicit ExactKvStore(const kvpack::ModelShape& shape)
+      : shape_(shape), keys_(static_cast<std::size_t>(shape.layers)), values_(static_cast<std::size_t>(shape.layers)) {}
+
+  // Positions are not needed: RoPE is already in the keys and every stored token is visible.
+  void append(int layer, std::span<const float> key, std::span<const float> value, int /*position*/) override {
+    auto& keys = keys_.at(static_cast<std::size_t>(layer));
+    auto& values = values_.at(static_cast<std::size_t>(layer));
+    keys.insert(keys.end(), key.begin(), key.end());
+    values.insert(values.end(), value.begin(), value.end());
+  }
+
+  void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const override {
+    const std::vector<float>& keys = keys_.at(static_cast<std::size_t>(layer));
+    const std::vector<float>& values = values_.at(static_cast<std::size_t>(layer));
+    const auto d = static_cast<std::size_t>(shape_.head_dim), row = static_cast<std::size_t>(shape_.kv_heads) * d;
+    const std::size_t tokens = keys.size() / row;
+    const int group = shape_.group_size();
+    std::vector<double> weights(tokens), acc(d);
+    for (int h = 0; h < shape_.q_heads; ++h) {
+      const std::size_t kv_offset = static_cast<std::size_t>(h / group) * d;
+      const float* q = query.data() + static_cast<std::size_t>(h) * d;
+      double top = -INFINITY;
+      for (std::size_t t = 0; t < tokens; ++t) {
+        double dot = 0.0;
+        for (std::size_t c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * keys[t * row + kv_offset + c];
+        weights[t] = dot * scale;
+        top = std::max(top, weights[t]);
+      }
+      double sum = 0.0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::size_t t = 0; t < tokens; ++t) {
+        weights[t] = std::exp(weights[t] - top);
+        sum += weights[t];
+        for (std::size_t c = 0; c < d; ++c) acc[c] += weights[t] * values[t * row + kv_offset + c];
+      }
+      for (std::size_t c = 0; c < d; ++c) out[static_cast<std::size_t>(h) * d + c] = static_cast<float>(acc[c] / sum);
+    }
+  }
+
+ private:
+  kvpack::ModelShape shape_;
+  std::vector<std::vector<float>> keys_;    ///< [layers][tokens][kv_heads][head_dim]
+  std::vector<std::vector<float>> values_;  ///< [layers][tokens][kv_heads][head_dim]
+};
+
+}  // namespace llama2c

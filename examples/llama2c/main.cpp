@@ -1,0 +1,251 @@
+/// \file main.cpp
+/// \brief llama2c: runs a llama2.c checkpoint (stories260K) with its attention through a kvpack
+///        cache — greedy generation, or a report of every policy against the f32 cache.
+///
+/// Usage: llama2c [--model-dir DIR] [--policy NAME] [--steps N] [--prompt TEXT] [--page-size N]
+///                [--report] [--json FILE]
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+#include <fmt/os.h>
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "checkpoint.hpp"
+#include "evaluate.hpp"
+#include "generate.hpp"
+#include "kv_store.hpp"
+#include "model_files.hpp"
+#include "tokenizer.hpp"
+#include "transformer.hpp"
+
+namespace {
+
+using namespace llama2c;
+
+constexpr int kUsageError = 2;
+
+struct Options {
+  std::filesystem::path model_dir = default_model_dir();
+  std::optional<std::string> policy;  ///< generation: default f32; report: default every policy
+  int steps = 256;
+  std::string prompt;
+  int page_size = 32;
+  bool report = false;
+  std::string json_path;
+};
+
+struct UsageError {
+  std::string message;
+};
+
+void print_usage(std::FILE* to) {
+  fmt::print(to,
+             "usage: llama2c [--model-dir DIR] [--policy NAME] [--steps N] [--prompt TEXT] [--page-size N]\n"
+             "               [--report] [--json FILE]\n"
+             "  --model-dir DIR  holds stories260K.bin and tok512.bin (default ${}, else {})\n"
+             "  --policy NAME    KV cache policy: f32 f16 bf16 fp8-e4m3 fp8-e5m2 int8 q8_0 q4_0 q8_0/q4_0\n"
+             "  --steps N        tokens generated greedily after the prompt (default 256; never stops early)\n"
+             "  --prompt TEXT    text after BOS (default: none)\n"
+             "  --page-size N    tokens per cache page, a multiple of 16 in [16, 256] (default 32)\n"
+             "  --report         every policy (or --policy's) against the f32 cache: loss, KL, top-1 agreement,\n"
+             "                   first greedy divergence, name recall\n"
+             "  --json FILE      with --report, also write the rows as JSON\n",
+             kModelDirVariable, LLAMA2C_DEFAULT_MODEL_DIR);
+}
+
+int parse_int(std::string_view option, std::string_view text, int low, int high) {
+  int value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc{} || end != text.data() + text.size() || value < low || value > high) {
+    throw UsageError{fmt::format("{} expects an integer in [{}, {}], got '{}'", option, low, high, text)};
+  }
+  return value;
+}
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      print_usage(stdout);
+      std::exit(0);
+    }
+    if (arg == "--report") {
+      options.report = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw UsageError{fmt::format("{} needs a value", arg)};
+    const std::string_view value = argv[++i];
+    if (arg == "--model-dir") {
+      options.model_dir = value;
+    } else if (arg == "--policy") {
+      options.policy = std::string(value);
+    } else if (arg == "--steps") {
+      options.steps = parse_int(arg, value, 0, 1 << 20);
+    } else if (arg == "--prompt") {
+      options.prompt = std::string(value);
+    } else if (arg == "--page-size") {
+      options.page_size = parse_int(arg, value, 16, 256);
+    } else if (arg == "--json") {
+      options.json_path = std::string(value);
+    } else {
+      throw UsageError{fmt::format("unknown option '{}'", arg)};
+    }
+  }
+  if (!options.json_path.empty() && !options.report) throw UsageError{"--json needs --report"};
+  return options;
+}
+
+/// Greedy generation with one policy's cache; the text on stdout, speed and memory on stderr.
+void run_generation(const Transformer& model, const Tokenizer& tokenizer, const Options& options,
+                    const kvpack::CacheConfig& cache) {
+  const kvpack::eval::Policy policy = kvpack::eval::find_policy(options.policy.value_or(kReferencePolicy));
+  CacheKvStore kv(policy, model.kv_shape(), cache);
+  const std::vector<int> prompt = tokenizer.encode(options.prompt);
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<int> tokens = generate(model, kv, prompt, options.steps);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fmt::print("{}\n", tokenizer.decode(tokens));
+  const kvpack::MemoryUsage memory = kv.cache().memory();
+  const std::size_t fed = tokens.size() - 1;  // the last generated token is never read back
+  fmt::print(stderr,
+             "{} prompt + {} generated tokens in {:.3f} s ({:.0f} tokens/s read); {} cache: {} bytes, "
+             "{:.2f} bits/element\n",
+             prompt.size(), options.steps, seconds, static_cast<double>(fed) / seconds, policy.name, memory.total(),
+             memory.bits_per_element());
+}
+
+std::string format_divergence(const std::optional<std::size_t>& position) {
+  return position ? fmt::format("{}", *position) : std::string("none");
+}
+
+void print_report(const Benchmark& benchmark, const BenchmarkOptions& options, const Tokenizer& tokenizer,
+                  const std::vector<PolicyResult>& rows) {
+  std::string preview = tokenizer.decode(benchmark.text).substr(0, 72);
+  for (char& c : preview) c = c == '\n' ? ' ' : c;
+  fmt::print("fixed text: BOS + {} greedy tokens with the f32 cache: \"{}...\"\n", options.text_tokens, preview);
+  fmt::print("name recall: {} probes (names {}; seeds {}); \"{}\" + {} sampled tokens + \"{}\" + name\n",
+             benchmark.probes.size(), fmt::join(options.names, ", "), fmt::join(options.seeds, ", "),
+             name_introduction("NAME"), options.continuation_tokens, kNameCue);
+  fmt::print(
+      "page size {}; loss in nats/token; KL(f32 || policy) in nats, mean over positions; first div. = "
+      "first position whose top-1 token differs\n\n",
+      benchmark.cache.page_size);
+  fmt::print("{:<10} {:>9} {:>7} {:>7} {:>9} {:>9} {:>7} {:>10} {:>11} {:>8} {:>9}\n", "policy", "bits/elem", "nominal",
+             "loss", "Δloss", "KL", "top-1", "first div.", "name log p", "Δname", "name top1");
+  for (const PolicyResult& r : rows) {
+    if (!r.not_applicable.empty()) {
+      fmt::print("{:<10} not applicable: {}\n", r.policy, r.not_applicable);
+      continue;
+    }
+    fmt::print("{:<10} {:>9.3f} {:>7.3f} {:>7.4f} {:>+9.5f} {:>9.2e} {:>6.1f}% {:>10} {:>11.4f} {:>+8.4f} {:>5}/{}\n",
+               r.policy, r.bits_per_element, r.nominal_bits, r.text.loss, r.loss_delta, r.text.kl,
+               100.0 * r.text.top1_agreement, format_divergence(r.text.first_divergence), r.name_log_prob,
+               r.name_log_prob_delta, r.name_top1, r.name_tokens);
+  }
+}
+
+std::string json_escape(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += fmt::format("\\u{:04x}", static_cast<int>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+void write_json(const std::string& path, const Benchmark& benchmark, const BenchmarkOptions& options,
+                const std::vector<PolicyResult>& rows) {
+  auto file = fmt::output_file(path);
+  file.print(
+      "{{\n  \"model\": \"stories260K\",\n  \"page_size\": {},\n  \"text_tokens\": {},\n"
+      "  \"continuation_tokens\": {},\n  \"name_probes\": {},\n  \"rows\": [\n",
+      benchmark.cache.page_size, options.text_tokens, options.continuation_tokens, benchmark.probes.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const PolicyResult& r = rows[i];
+    const char* separator = i + 1 < rows.size() ? "," : "";
+    if (!r.not_applicable.empty()) {
+      file.print("    {{\"policy\": \"{}\", \"not_applicable\": \"{}\"}}{}\n", json_escape(r.policy),
+                 json_escape(r.not_applicable), separator);
+      continue;
+    }
+    file.print(
+        "    {{\"policy\": \"{}\", \"bits_per_element\": {:.4f}, \"nominal_bits_per_element\": {:.4f}, "
+        "\"loss\": {:.6f}, \"loss_delta\": {:.6g}, \"kl\": {:.6g}, \"top1_agreement\": {:.6f}, "
+        "\"first_divergence\": {}, \"name_log_prob\": {:.6f}, \"name_log_prob_delta\": {:.6g}, "
+        "\"name_top1\": {}, \"name_tokens\": {}}}{}\n",
+        json_escape(r.policy), r.bits_per_element, r.nominal_bits, r.text.loss, r.loss_delta, r.text.kl,
+        r.text.top1_agreement, r.text.first_divergence ? fmt::format("{}", *r.text.first_divergence) : "null",
+        r.name_log_prob, r.name_log_prob_delta, r.name_top1, r.name_tokens, separator);
+  }
+  file.print("  ]\n}}\n");
+}
+
+void run_report(const Transformer& model, const Tokenizer& tokenizer, const Options& options,
+                const kvpack::CacheConfig& cache) {
+  BenchmarkOptions benchmark_options;
+  benchmark_options.cache = cache;
+  std::vector<kvpack::eval::Policy> policies;
+  if (options.policy) {
+    policies.push_back(kvpack::eval::find_policy(*options.policy));
+  } else {
+    policies = kvpack::eval::builtin_policies();
+  }
+  const Benchmark benchmark = prepare_benchmark(model, tokenizer, benchmark_options);
+  std::vector<PolicyResult> rows;
+  for (const kvpack::eval::Policy& policy : policies) rows.push_back(evaluate_policy(model, benchmark, policy));
+  print_report(benchmark, benchmark_options, tokenizer, rows);
+  if (!options.json_path.empty()) write_json(options.json_path, benchmark, benchmark_options, rows);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse(argc, argv);
+  } catch (const UsageError& error) {
+    fmt::print(stderr, "llama2c: {}\n", error.message);
+    print_usage(stderr);
+    return kUsageError;
+  }
+  const ModelFiles files = model_files(options.model_dir);
+  if (!files.present()) {
+    fmt::print(stderr, "llama2c: {}\n", missing_model_message(files));
+    return kExitModelMissing;
+  }
+  try {
+    Checkpoint checkpoint = load_checkpoint(files.checkpoint);
+    const Tokenizer tokenizer = Tokenizer::load(files.tokenizer, checkpoint.config.vocab_size);
+    const Transformer model(std::move(checkpoint));
+    kvpack::CacheConfig cache;
+    cache.page_size = options.page_size;
+    fmt::print(stderr, "llama2c: {} ({})\n", files.checkpoint.string(), describe(model.config()));
+    if (options.report) {
+      run_report(model, tokenizer, options, cache);
+    } else {
+      run_generation(model, tokenizer, options, cache);
+    }
+  } catch (const std::exception& error) {
+    fmt::print(stderr, "llama2c: {}\n", error.what());
+    return 1;
+  }
+  return 0;
+}
