@@ -18,8 +18,9 @@ for arg in "$@"; do
 done
 
 # Compiler and build tools; xsimd (kvpack's one library dependency); Catch2 2 (tests); Google
-# Benchmark (bench/); fmt and Eigen (tests, examples and reference code).
-required=(g++ make cmake libxsimd-dev catch2 libbenchmark-dev libfmt-dev libeigen3-dev)
+# Benchmark (bench/); fmt and Eigen (tests, examples and reference code); gnuplot (the Pareto
+# plot compare_policies draws).
+required=(g++ make cmake libxsimd-dev catch2 libbenchmark-dev libfmt-dev libeigen3-dev gnuplot-nox)
 # nm (tests/package ISA symbol check) comes with binutils, a dependency of g++.
 optional=(clang clang-format clang-tidy)
 

@@ -2,254 +2,343 @@
 /// \brief The main job: every kvpack policy on one workload, side by side.
 ///
 /// Default workload: one Llama-3.1-8B layer (32 query heads, 8 KV heads, head_dim 128) holding a
-/// 32K-token synthetic context (outlier key channels, RoPE, flat values; see
-/// common/synthetic_kv.hpp). For each policy the table shows bits per element measured from
-/// KVCache::memory() (everything: pages, scales, slot metadata, fp32 tail, tables), the bytes a
-/// 32K sequence takes over all 32 layers, the attention-output error against exact attention on
-/// the fp32 inputs, and decode attention speed (encoded bytes read per second, one thread).
+/// 32K-token synthetic context (eval/synthetic.hpp: outlier key channels, RoPE, sinks, recency,
+/// flat values), the needle failure case at 2K and 8K tokens (eval/needle.hpp), and — when its
+/// files are present — the real stories260K model. For each policy: bits per element measured from
+/// KVCache::memory(), the bytes of a 32K sequence over 32 layers, attention-output error against
+/// exact attention on the fp32 inputs, needle recall per depth, the real model's loss delta, and
+/// decode attention speed (encoded bytes read per second, one thread).
 ///
-/// Usage: compare_policies [--context N] [--queries N] [--seed N] [--json FILE]
+/// Usage: compare_policies --help
 
 #include <fmt/core.h>
 #include <fmt/os.h>
 
-#include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <tuple>
 #include <vector>
 
-#include "common/synthetic_kv.hpp"
-#include "kvpack/kvpack.hpp"
+#include "common/cli.hpp"
+#include "common/pareto_plot.hpp"
+#include "common/progress_bar.hpp"
+#include "kvpack/eval.hpp"
+#include "llama2c/checkpoint.hpp"
+#include "llama2c/evaluate.hpp"
+#include "llama2c/model_files.hpp"
+#include "llama2c/tokenizer.hpp"
+#include "llama2c/transformer.hpp"
 
 namespace {
 
 using namespace kvpack;
+using examples::UsageError;
 
 constexpr int kModelLayers = 32;
-constexpr int kUsageError = 2;
 
 struct Options {
   index_t context = 32768;
   int queries = 8;
   std::uint32_t seed = 1;
-  std::string json_path;
-};
-
-struct UsageError {
-  std::string message;
+  std::vector<index_t> needle_contexts{2048, 8192};
+  std::vector<std::string> policies;  // empty: all built-in
+  std::string json_path, csv_path;
+  std::string plot_path = "compare_policies_pareto.png";
+  std::string model_dir = llama2c::default_model_dir().string();
+  bool real_model = true;
 };
 
 void print_usage(std::FILE* to) {
   fmt::print(to,
-             "usage: compare_policies [--context N] [--queries N] [--seed N] [--json FILE]\n"
-             "  --context N   tokens in the synthetic context (default 32768, 32 to 262144)\n"
-             "  --queries N   decode queries measured per policy (default 8, 1 to 1000)\n"
-             "  --seed N      workload seed (default 1)\n"
-             "  --json FILE   also write the rows as JSON to FILE\n");
-}
-
-template <class Int>
-Int parse_number(std::string_view option, std::string_view text, Int low, Int high) {
-  Int value{};
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc{} || end != text.data() + text.size() || value < low || value > high) {
-    throw UsageError{fmt::format("{} expects an integer in [{}, {}], got '{}'", option, low, high, text)};
-  }
-  return value;
+             "usage: compare_policies [options]\n"
+             "  --context N          tokens in the synthetic context (default 32768, 32 to 262144)\n"
+             "  --queries N          decode queries measured per policy (default 8, 1 to 1000)\n"
+             "  --seed N             workload seed (default 1)\n"
+             "  --needle-contexts L  comma-separated needle context lengths (default 2048,8192; 'none' skips)\n"
+             "  --policies L         comma-separated policy names (default: all built-in)\n"
+             "  --model-dir DIR      stories260K files (default $KVPACK_MODEL_DIR or ../shared/models/stories260K)\n"
+             "  --no-model           skip the real-model columns\n"
+             "  --json FILE          also write the rows as JSON\n"
+             "  --csv FILE           also write the rows as CSV\n"
+             "  --plot FILE          Pareto plot PNG (default compare_policies_pareto.png; 'none' skips)\n");
 }
 
 Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
+  Options o;
+  examples::ArgReader args(argc, argv);
+  while (args.next()) {
+    if (args.is("--help") || args.is("-h")) {
       print_usage(stdout);
       std::exit(0);
-    }
-    if (i + 1 >= argc) throw UsageError{fmt::format("{} needs a value", arg)};
-    const std::string_view value = argv[++i];
-    if (arg == "--context") {
-      options.context = parse_number<index_t>(arg, value, 32, 262144);
-    } else if (arg == "--queries") {
-      options.queries = parse_number<int>(arg, value, 1, 1000);
-    } else if (arg == "--seed") {
-      options.seed = parse_number<std::uint32_t>(arg, value, 0, 0xFFFFFFFFu);
-    } else if (arg == "--json") {
-      options.json_path = std::string(value);
+    } else if (args.is("--no-model")) {
+      o.real_model = false;
+    } else if (args.is("--context")) {
+      o.context = args.number<index_t>(32, 262144);
+    } else if (args.is("--queries")) {
+      o.queries = args.number<int>(1, 1000);
+    } else if (args.is("--seed")) {
+      o.seed = args.number<std::uint32_t>(0, 0xFFFFFFFFu);
+    } else if (args.is("--needle-contexts")) {
+      o.needle_contexts.clear();
+      if (const std::string_view list = args.value(); list != "none") {
+        for (const std::string& item : examples::split(list, ',')) {
+          o.needle_contexts.push_back(examples::parse_number<index_t>("--needle-contexts", item, 16, 262144));
+        }
+      }
+    } else if (args.is("--policies")) {
+      o.policies = examples::split(args.value(), ',');
+    } else if (args.is("--model-dir")) {
+      o.model_dir = std::string(args.value());
+    } else if (args.is("--json")) {
+      o.json_path = std::string(args.value());
+    } else if (args.is("--csv")) {
+      o.csv_path = std::string(args.value());
+    } else if (args.is("--plot")) {
+      const std::string_view path = args.value();
+      o.plot_path = path == "none" ? "" : std::string(path);
     } else {
-      throw UsageError{fmt::format("unknown option '{}'", arg)};
+      throw UsageError{fmt::format("unknown option '{}'", args.name())};
     }
   }
-  return options;
+  return o;
 }
 
 struct Row {
-  std::string policy;
-  std::string key_codec, value_codec;
-  double bits_per_element = 0;     // measured, everything included
-  double payload_bits = 0;         // page payload only (the codec's own rate)
-  double sequence_bytes = 0;       // one sequence of `context` tokens over 32 layers
-  double error_mean = 0, error_p99 = 0;
-  double decode_gbps = 0;
-  double seconds_per_attend = 0;
+  std::string policy, description;
+  double bits_per_element = 0;  // measured, everything included
+  double payload_bits = 0;      // page payload only (the codec's own rate)
+  double sequence_bytes = 0;    // one sequence of `context` tokens over 32 layers
+  eval::Summary error;          // attention-output relative error per head
+  eval::NeedleReport needle;
+  std::optional<llama2c::PolicyResult> model;  // empty: no model; not_applicable says why it did not run
+  double decode_gbps = 0, seconds_per_attend = 0, vs_f16 = 0;
 };
 
-/// Exact attention on the fp32 inputs, in double: the yardstick every policy is measured against.
-std::vector<double> exact_attention(const examples::SyntheticLayer& layer, const examples::SyntheticOptions& o,
-                                    const float* query, float scale) {
-  const index_t group = o.q_heads / o.kv_heads;
-  const std::size_t row = static_cast<std::size_t>(o.kv_heads) * o.head_dim;
-  std::vector<double> out(static_cast<std::size_t>(o.q_heads) * o.head_dim, 0.0);
-  std::vector<double> scores(o.tokens);
-  for (index_t h = 0; h < o.q_heads; ++h) {
-    const index_t kv = h / group;
-    double top = -INFINITY;
-    for (index_t t = 0; t < o.tokens; ++t) {
-      const float* k = &layer.keys[t * row + kv * o.head_dim];
-      double dot = 0;
-      for (index_t c = 0; c < o.head_dim; ++c) dot += static_cast<double>(query[h * o.head_dim + c]) * k[c];
-      scores[t] = dot * scale;
-      top = std::max(top, scores[t]);
-    }
-    double sum = 0;
-    double* acc = &out[static_cast<std::size_t>(h) * o.head_dim];
-    for (index_t t = 0; t < o.tokens; ++t) {
-      const double w = std::exp(scores[t] - top);
-      sum += w;
-      const float* v = &layer.values[t * row + kv * o.head_dim];
-      for (index_t c = 0; c < o.head_dim; ++c) acc[c] += w * v[c];
-    }
-    for (index_t c = 0; c < o.head_dim; ++c) acc[c] /= sum;
-  }
-  return out;
-}
+/// Attention error, bytes and decode speed of one policy on the synthetic layer.
+void measure_synthetic(const eval::Policy& policy, const eval::SyntheticSpec& spec, const eval::LayerKV& layer,
+                       const std::vector<float>& queries, const std::vector<std::vector<double>>& exact,
+                       Row& row) {
+  const auto cache = policy.make({1, spec.q_heads, spec.kv_heads, spec.head_dim}, {});
+  const SeqId seq = cache->add_sequence();
+  cache->prefill(seq, 0, std::span<const float>(layer.keys), std::span<const float>(layer.values));
+  const MemoryUsage memory = cache->memory();
+  const eval::MeasuredBits bits =
+      eval::measured_bits(memory, static_cast<std::size_t>(cache->config().page_size) * 2 * spec.head_dim);
+  row.bits_per_element = bits.all_in;
+  row.payload_bits = bits.payload;
+  row.sequence_bytes = static_cast<double>(memory.total()) * kModelLayers;
 
-template <class Quantizer>
-Row measure(std::string policy, const examples::SyntheticOptions& o, const examples::SyntheticLayer& layer,
-            const std::vector<float>& queries, int query_count,
-            const std::vector<std::vector<double>>& exact, float scale) {
-  const ModelShape shape{1, o.q_heads, o.kv_heads, o.head_dim};
-  KVCache<layout::GQA, Quantizer> cache(shape);
-  const SeqId seq = cache.add_sequence();
-  cache.prefill(seq, 0, std::span<const float>(layer.keys), std::span<const float>(layer.values));
-
-  Row row;
-  row.policy = std::move(policy);
-  row.key_codec = std::string(Quantizer::key_codec::kName);
-  row.value_codec = std::string(Quantizer::value_codec::kName);
-  const MemoryUsage memory = cache.memory();
-  row.bits_per_element = memory.bits_per_element();
-  row.payload_bits = 8.0 * memory.page_payload /
-                     (static_cast<double>(memory.pages_in_use) * cache.config().page_size * 2 * o.head_dim);
-  row.sequence_bytes = static_cast<double>(memory.total() - memory.codec_params) * kModelLayers +
-                       static_cast<double>(memory.codec_params) * kModelLayers;
-
-  const std::size_t query_size = static_cast<std::size_t>(o.q_heads) * o.head_dim;
+  const std::size_t query_size = static_cast<std::size_t>(spec.q_heads) * spec.head_dim;
   std::vector<float> out(query_size);
   std::vector<double> errors;
-  for (int n = 0; n < query_count; ++n) {
-    cache.attend(seq, 0, std::span<const float>(&queries[n * query_size], query_size), std::span<float>(out), scale);
-    for (index_t h = 0; h < o.q_heads; ++h) {
-      double diff = 0, norm = 0;
-      for (index_t c = 0; c < o.head_dim; ++c) {
-        const double ref = exact[n][h * o.head_dim + c];
-        diff += (out[h * o.head_dim + c] - ref) * (out[h * o.head_dim + c] - ref);
-        norm += ref * ref;
-      }
-      errors.push_back(std::sqrt(diff / norm));
+  for (std::size_t n = 0; n < exact.size(); ++n) {
+    cache->attend(seq, 0, std::span<const float>(&queries[n * query_size], query_size), std::span<float>(out),
+                  1.0f / std::sqrt(static_cast<float>(spec.head_dim)));
+    for (index_t h = 0; h < spec.q_heads; ++h) {
+      errors.push_back(eval::relative_error(std::span<const float>(&out[h * spec.head_dim], spec.head_dim),
+                                            std::span<const double>(&exact[n][h * spec.head_dim], spec.head_dim)));
     }
   }
-  std::sort(errors.begin(), errors.end());
-  double sum = 0;
-  for (double e : errors) sum += e;
-  row.error_mean = sum / errors.size();
-  row.error_p99 = errors[std::min(errors.size() - 1, static_cast<std::size_t>(0.99 * errors.size()))];
+  row.error = eval::summarize(errors);
 
   // Speed: the same decode step repeated; bytes read = every page payload plus the fp32 tail.
   const double bytes_read = static_cast<double>(memory.page_payload) + static_cast<double>(memory.tails);
   constexpr int kRepeats = 10;
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < kRepeats; ++r) {
-    cache.attend(seq, 0, std::span<const float>(&queries[(r % query_count) * query_size], query_size),
-                 std::span<float>(out), scale);
+    cache->attend(seq, 0, std::span<const float>(&queries[(r % exact.size()) * query_size], query_size),
+                  std::span<float>(out), 1.0f / std::sqrt(static_cast<float>(spec.head_dim)));
   }
   row.seconds_per_attend = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kRepeats;
   row.decode_gbps = bytes_read / row.seconds_per_attend / 1e9;
-  return row;
 }
 
-void write_json(const std::string& path, const examples::SyntheticOptions& o, const std::vector<Row>& rows,
-                std::string_view isa) {
+std::string needle_cell(const Options& o, const Row& r) {
+  std::string s;
+  for (index_t context : o.needle_contexts) {
+    if (!s.empty()) s += ' ';
+    s += r.needle.compact(context);
+  }
+  return s;
+}
+
+template <class Field>
+std::string model_cell(const Row& r, Field field, const char* format) {
+  if (!r.model || !r.model->not_applicable.empty()) return "n/a";
+  return fmt::format(fmt::runtime(format), field(*r.model));
+}
+
+void print_table(const Options& o, const std::vector<Row>& rows, bool have_model) {
+  fmt::print("{:<11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>{}} {:>11} {:>9} {:>8} {:>7}\n", "policy", "bits/elem",
+             "payload", "32K seq", "rel.err", "p99 err", "needle recall", 12 * o.needle_contexts.size(),
+             have_model ? "loss delta" : "", have_model ? "name logp" : "", "GB/s", "vs f16");
+  for (const Row& r : rows) {
+    fmt::print("{:<11} {:>9.3f} {:>9.3f} {:>7.3f} GiB {:>9.2e} {:>9.2e} {:>{}} {:>11} {:>9} {:>8.2f} {:>6.2f}x\n",
+               r.policy, r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024), r.error.mean,
+               r.error.p99, needle_cell(o, r), 12 * o.needle_contexts.size(),
+               have_model ? model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:+.4f}") : "",
+               have_model ? model_cell(r, [](const llama2c::PolicyResult& m) { return m.name_log_prob_delta; }, "{:+.3f}") : "",
+               r.decode_gbps, r.vs_f16);
+  }
+}
+
+void write_json(const std::string& path, const Options& o, const eval::SyntheticSpec& spec,
+                const std::vector<Row>& rows) {
   auto file = fmt::output_file(path);
   file.print("{{\n  \"workload\": {{\"kind\": \"synthetic\", \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, "
              "\"head_dim\": {}, \"outlier_channels\": {}, \"outlier_scale\": {}, \"rope_theta\": {}, \"seed\": {}}},\n"
              "  \"isa\": \"{}\",\n  \"rows\": [\n",
-             o.tokens, o.q_heads, o.kv_heads, o.head_dim, o.outlier_channels, o.outlier_scale, o.rope_theta, o.seed,
-             isa);
+             spec.tokens, spec.q_heads, spec.kv_heads, spec.head_dim, spec.outlier_channels, spec.outlier_scale,
+             spec.rope_theta, spec.seed, dispatch::active_cpu_isa());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    file.print("    {{\"policy\": \"{}\", \"key_codec\": \"{}\", \"value_codec\": \"{}\", \"bits_per_element\": {:.4f}, "
+    std::string needle;
+    for (const eval::NeedleCell& c : r.needle.cells) {
+      needle += fmt::format("{}{{\"context\": {}, \"depth\": {:.2f}, \"recall\": {:.4f}}}", needle.empty() ? "" : ", ",
+                            c.context, c.depth, c.recall());
+    }
+    std::string model = "null";
+    if (r.model && r.model->not_applicable.empty()) {
+      const llama2c::PolicyResult& m = *r.model;
+      model = fmt::format("{{\"loss\": {:.6f}, \"loss_delta\": {:.6f}, \"logit_kl\": {:.6g}, \"top1_agreement\": {:.4f}, "
+                          "\"first_divergence\": {}, \"name_log_prob\": {:.6f}, \"name_log_prob_delta\": {:.6f}}}",
+                          m.text.loss, m.loss_delta, m.text.kl, m.text.top1_agreement, m.text.first_divergence ? fmt::format("{}", *m.text.first_divergence) : "null",
+                          m.name_log_prob, m.name_log_prob_delta);
+    }
+    file.print("    {{\"policy\": \"{}\", \"description\": \"{}\", \"bits_per_element\": {:.4f}, "
                "\"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
                "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
-               "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}}}{}\n",
-               r.policy, r.key_codec, r.value_codec, r.bits_per_element, r.payload_bits, r.sequence_bytes,
-               r.error_mean, r.error_p99, r.decode_gbps, r.seconds_per_attend, i + 1 < rows.size() ? "," : "");
+               "\"needle_recall\": {:.4f}, \"needle\": [{}], \"real_model\": {}, "
+               "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
+               r.policy, r.description, r.bits_per_element, r.payload_bits, r.sequence_bytes, r.error.mean,
+               r.error.p99, r.needle.recall(), needle, model, r.decode_gbps, r.seconds_per_attend, r.vs_f16,
+               i + 1 < rows.size() ? "," : "");
   }
-  file.print("  ]\n}}\n");
+  file.print("  ],\n  \"needle_contexts\": [{}]\n}}\n", fmt::join(o.needle_contexts, ", "));
 }
 
-int run(const Options& options) {
-  examples::SyntheticOptions o;
-  o.tokens = options.context;
-  o.seed = options.seed;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
-  fmt::print("kvpack compare_policies — workload: SYNTHETIC (not a real model's cache)\n");
-  fmt::print("  one Llama-3.1-8B layer: {} query heads, {} KV heads, head_dim {}; {} tokens; "
-             "{} key channels x{} (outliers); RoPE theta {}; seed {}\n",
-             o.q_heads, o.kv_heads, o.head_dim, o.tokens, o.outlier_channels, o.outlier_scale, o.rope_theta, o.seed);
+void write_csv(const std::string& path, const std::vector<Row>& rows) {
+  auto file = fmt::output_file(path);
+  file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,attention_rel_error_mean,"
+             "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16\n");
+  for (const Row& r : rows) {
+    file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f}\n", r.policy, r.bits_per_element,
+               r.payload_bits, r.sequence_bytes, r.error.mean, r.error.p99, r.needle.recall(),
+               model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
+               model_cell(r, [](const llama2c::PolicyResult& m) { return m.text.kl; }, "{:.6g}"),
+               r.decode_gbps, r.vs_f16);
+  }
+}
+
+int run(const Options& o) {
+  std::vector<eval::Policy> policies;
+  if (o.policies.empty()) {
+    policies = eval::builtin_policies();
+  } else {
+    for (const std::string& name : o.policies) policies.push_back(eval::find_policy(name));
+  }
+  eval::SyntheticSpec spec;
+  spec.tokens = o.context;
+  spec.seed = o.seed;
+  fmt::print("kvpack compare_policies — workload: SYNTHETIC (not a real model's cache), seed {}\n", spec.seed);
+  fmt::print("  one Llama-3.1-8B layer: {} query heads, {} KV heads, head_dim {}; {} tokens; {} key channels x{} "
+             "(outliers); RoPE theta {}; {} sinks, recency, {} content matches per query\n",
+             spec.q_heads, spec.kv_heads, spec.head_dim, spec.tokens, spec.outlier_channels, spec.outlier_scale,
+             spec.rope_theta, spec.sink_tokens, spec.content_matches);
   fmt::print("  kernels: {} (KVPACK_ISA overrides); decode speed is one thread, one layer, data in memory\n\n",
              dispatch::active_cpu_isa());
-  const auto layer = examples::make_synthetic_layer(o);
-  const auto queries = examples::make_synthetic_queries(o, layer, options.queries);
-  std::vector<std::vector<double>> exact;
-  for (int n = 0; n < options.queries; ++n) {
-    exact.push_back(exact_attention(layer, o, &queries[static_cast<std::size_t>(n) * o.q_heads * o.head_dim], scale));
+
+  std::vector<Row> rows(policies.size());
+  {
+    const eval::LayerKV layer = eval::make_layer(spec);
+    const std::vector<float> queries = eval::make_decode_queries(spec, layer, o.queries, spec.seed + 1000);
+    std::vector<std::vector<double>> exact;
+    const std::size_t query_size = static_cast<std::size_t>(spec.q_heads) * spec.head_dim;
+    for (int n = 0; n < o.queries; ++n) {
+      exact.push_back(eval::exact_attention(layer.keys, layer.values, spec.kv_heads, spec.head_dim,
+                                            std::span<const float>(&queries[n * query_size], query_size),
+                                            1.0 / std::sqrt(static_cast<double>(spec.head_dim))));
+    }
+    examples::ProgressBar bar("attention error and speed", static_cast<int>(policies.size()));
+    for (std::size_t p = 0; p < policies.size(); ++p) {
+      rows[p].policy = policies[p].name;
+      rows[p].description = policies[p].description;
+      measure_synthetic(policies[p], spec, layer, queries, exact, rows[p]);
+      bar.update(static_cast<int>(p + 1));
+    }
+  }
+  for (Row& r : rows) r.vs_f16 = rows.size() > 1 && rows[1].policy == "f16" ? rows[1].seconds_per_attend / r.seconds_per_attend : 0;
+
+  if (!o.needle_contexts.empty()) {
+    eval::NeedleSpec needle;
+    needle.workload = spec;
+    needle.contexts = o.needle_contexts;
+    const eval::NeedleSuite suite(needle);
+    examples::ProgressBar trials("needle trials", static_cast<int>(needle.contexts.size() * needle.depths.size()));
+    const auto reports = suite.run(policies, {}, [&](int done, int) { trials.update(done); });
+    for (std::size_t p = 0; p < policies.size(); ++p) rows[p].needle = reports[p];
   }
 
-  std::vector<Row> rows;
-  auto add = [&](auto quantizer, const char* policy) {
-    using Q = decltype(quantizer);
-    rows.push_back(measure<Q>(policy, o, layer, queries, options.queries, exact, scale));
-  };
-  add(quant::Float<float>{}, "Float<f32>");
-  add(quant::Float<half>{}, "Float<f16>");
-  add(quant::Float<bfloat16>{}, "Float<bf16>");
-  add(quant::FP8<quant::E4M3FN>{}, "FP8<E4M3FN>");
-  add(quant::FP8<quant::E5M2>{}, "FP8<E5M2>");
-  add(quant::Int8{}, "Int8");
-  add(quant::Q8_0{}, "Q8_0");
-  add(quant::Q4_0{}, "Q4_0");
-  add(quant::Mixed<quant::Q8_0, quant::Q4_0>{}, "Mixed<Q8_0,Q4_0>");
-
-  const double fp16_seconds = rows[1].seconds_per_attend;
-  fmt::print("{:<18} {:>9} {:>9} {:>14} {:>11} {:>11} {:>9} {:>9}\n", "policy", "bits/elem", "payload",
-             "32K seq, 32 L", "rel.err", "p99 err", "GB/s", "vs f16");
-  for (const Row& r : rows) {
-    fmt::print("{:<18} {:>9.3f} {:>9.3f} {:>10.3f} GiB {:>11.3e} {:>11.3e} {:>9.2f} {:>8.2f}x\n", r.policy,
-               r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024), r.error_mean,
-               r.error_p99, r.decode_gbps, fp16_seconds / r.seconds_per_attend);
+  bool have_model = false;
+  std::string model_status;
+  if (o.real_model) {
+    const llama2c::ModelFiles files = llama2c::model_files(o.model_dir);
+    if (files.present()) {
+      const llama2c::Transformer model(llama2c::load_checkpoint(files.checkpoint));
+      const llama2c::Tokenizer tokenizer = llama2c::Tokenizer::load(files.tokenizer, model.config().vocab_size);
+      examples::ProgressBar bar("stories260K", static_cast<int>(policies.size()) + 1);
+      const llama2c::Benchmark benchmark = llama2c::prepare_benchmark(model, tokenizer, {});
+      bar.update(1);
+      for (std::size_t p = 0; p < policies.size(); ++p) {
+        rows[p].model = llama2c::evaluate_policy(model, benchmark, policies[p]);
+        bar.update(static_cast<int>(p + 2));
+      }
+      have_model = true;
+      model_status = fmt::format("real model: stories260K from {}, {}-token greedy text, {} name probes "
+                                 "(head_dim 8: 'n/a' = the policy cannot store it)",
+                                 o.model_dir, benchmark.text.size() - 1, benchmark.probes.size());
+    } else {
+      model_status = "real model: skipped — " + llama2c::missing_model_message(files);
+    }
   }
-  fmt::print("\nbits/elem: all bytes memory() reports (pages, scales, slot positions, fp32 tail, tables) per "
-             "stored K/V element;\npayload: the encoded pages alone. rel.err: |o - o_exact| / |o_exact| per head "
-             "vs exact attention on the fp32 inputs (mean, p99).\n");
-  if (!options.json_path.empty()) {
-    write_json(options.json_path, o, rows, dispatch::active_cpu_isa());
-    fmt::print("rows written to {}\n", options.json_path);
+
+  print_table(o, rows, have_model);
+  fmt::print("\nbits/elem: all bytes memory() reports (pages, scales, slot positions, fp32 tail, tables) per stored "
+             "K/V element; payload: the encoded pages alone.\n"
+             "rel.err: |o - o_exact| / |o_exact| per head vs exact attention on the fp32 inputs (mean, p99).\n");
+  if (!o.needle_contexts.empty()) {
+    fmt::print("needle recall: one character per depth 0%..100% for each context ({}): '#' recalled by every head, "
+               "'0'-'9' tenths, '.' none (synthetic).\n",
+               fmt::join(o.needle_contexts, ", "));
+  }
+  fmt::print("{}\n", model_status.empty() ? "real model: off (--no-model)" : model_status);
+  if (have_model) {
+    fmt::print("loss delta: teacher-forced loss (nats/token) minus the f32 cache's; name logp: change in log p(name) "
+               "at its later mention (0 = as well recalled as f32).\n");
+  }
+
+  if (!o.json_path.empty()) {
+    write_json(o.json_path, o, spec, rows);
+    fmt::print("rows written to {}\n", o.json_path);
+  }
+  if (!o.csv_path.empty()) {
+    write_csv(o.csv_path, rows);
+    fmt::print("rows written to {}\n", o.csv_path);
+  }
+  if (!o.plot_path.empty()) {
+    std::vector<examples::ParetoPoint> points;
+    for (const Row& r : rows) points.push_back({r.policy, r.bits_per_element, r.error.mean});
+    std::string why;
+    if (examples::write_pareto_plot(o.plot_path,
+                                    fmt::format("kvpack policies on the synthetic Llama-3.1-8B layer ({} tokens)", spec.tokens),
+                                    "attention-output relative error (mean)", points, why)) {
+      fmt::print("Pareto plot written to {}\n", o.plot_path);
+    } else {
+      fmt::print(stderr, "compare_policies: no plot: {}\n", why);
+    }
   }
   return 0;
 }
@@ -262,7 +351,7 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     fmt::print(stderr, "compare_policies: {}\n", e.message);
     print_usage(stderr);
-    return kUsageError;
+    return examples::kUsageError;
   } catch (const std::exception& e) {
     fmt::print(stderr, "compare_policies: {}\n", e.what());
     return 1;

@@ -16,6 +16,7 @@
 
 #include "kv_store.hpp"
 #include "kvpack/error.hpp"
+#include "kvpack/eval/metrics.hpp"
 #include "transformer.hpp"
 
 namespace llama2c {
@@ -44,10 +45,8 @@ class Decoder {
   int position_ = 0;
 };
 
-/// The first index of the largest logit.
-inline int argmax(std::span<const float> logits) {
-  return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-}
+/// The token with the largest logit (the first on ties).
+inline int argmax(std::span<const float> logits) { return static_cast<int>(kvpack::eval::argmax(logits)); }
 
 /// How generate() picks each token.
 struct Sampling {

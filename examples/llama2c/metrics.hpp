@@ -3,14 +3,13 @@
 /// \brief Teacher-forced logits of a text and how one run's compare with a reference run's:
 ///        loss, KL divergence, top-1 agreement, first greedy divergence.
 
-#include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <optional>
 #include <span>
 #include <vector>
 
 #include "generate.hpp"
+#include "kvpack/eval/metrics.hpp"
 #include "kv_store.hpp"
 #include "transformer.hpp"
 
@@ -39,18 +38,6 @@ inline LogitRows teacher_forced_logits(const Transformer& model, KvStore& kv, st
   return logits;
 }
 
-/// log softmax(logits), in double.
-inline std::vector<double> log_softmax(std::span<const float> logits) {
-  double top = -INFINITY;
-  for (float x : logits) top = std::max(top, static_cast<double>(x));
-  double sum = 0.0;
-  for (float x : logits) sum += std::exp(x - top);
-  const double log_sum = top + std::log(sum);
-  std::vector<double> out(logits.size());
-  for (std::size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - log_sum;
-  return out;
-}
-
 /// One run's logits over a text against a reference run's.
 struct TextScore {
   double loss = 0.0;            ///< mean -log p(next token), nats per token
@@ -64,23 +51,15 @@ struct TextScore {
 
 /// \param tokens the text both runs read (rows + 1 tokens)
 inline TextScore score_text(const LogitRows& reference, const LogitRows& run, std::span<const int> tokens) {
+  kvpack::eval::LogitComparison comparison;
   TextScore score;
-  const std::size_t rows = run.rows();
-  std::size_t agreements = 0;
-  for (std::size_t i = 0; i < rows; ++i) {
-    const std::vector<double> log_p = log_softmax(reference.row(i));
-    const std::vector<double> log_q = log_softmax(run.row(i));
-    score.loss -= log_q[static_cast<std::size_t>(tokens[i + 1])];
-    for (std::size_t t = 0; t < log_p.size(); ++t) score.kl += std::exp(log_p[t]) * (log_p[t] - log_q[t]);
-    if (argmax(reference.row(i)) == argmax(run.row(i))) {
-      ++agreements;
-    } else if (!score.first_divergence) {
-      score.first_divergence = i + 1;
-    }
+  for (std::size_t i = 0; i < run.rows(); ++i) {
+    comparison.add(reference.row(i), run.row(i), static_cast<std::size_t>(tokens[i + 1]));
+    if (!score.first_divergence && argmax(reference.row(i)) != argmax(run.row(i))) score.first_divergence = i + 1;
   }
-  score.loss /= static_cast<double>(rows);
-  score.kl /= static_cast<double>(rows);
-  score.top1_agreement = static_cast<double>(agreements) / static_cast<double>(rows);
+  score.loss = comparison.loss();
+  score.kl = comparison.mean_kl();
+  score.top1_agreement = comparison.top1_agreement();
   return score;
 }
 

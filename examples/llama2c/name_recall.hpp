@@ -111,7 +111,7 @@ inline NameScore score_name(const Transformer& model, KvStore& kv, const NamePro
   NameScore score;
   for (std::size_t i = probe.name_begin; i < probe.name_begin + probe.name_length; ++i) {
     const int token = probe.tokens[i];
-    score.log_prob += log_softmax(logits.row(i - 1))[static_cast<std::size_t>(token)];
+    score.log_prob += kvpack::eval::log_softmax(logits.row(i - 1))[static_cast<std::size_t>(token)];
     score.top1 += argmax(logits.row(i - 1)) == token ? 1 : 0;
   }
   return score;
