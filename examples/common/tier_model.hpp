@@ -110,8 +110,8 @@ struct Scenario {
 
 // This machine (2 cores of an AMD EPYC Zen 5 VM): README "Measured", BM_StreamRead 1 GiB read,
 // and DESIGN.md §4's roofline, fp32 FMA (512-bit) ≈ 137 GMAC/s per core = 274 GFLOP/s.
-inline constexpr double kDramOneThreadGbps = 23.8;
-inline constexpr double kDramTwoThreadsGbps = 46.9;
+inline constexpr double kDramOneThreadGbps = 26.0;
+inline constexpr double kDramTwoThreadsGbps = 49.7;
 inline constexpr double kCpuCoreGflops = 2.0 * 137.0;
 // A DRAM page read starts with one miss (~0.1 us); the hardware prefetcher streams the rest.
 inline constexpr double kDramLatencyUs = 0.1;
