@@ -14,6 +14,7 @@
 #include <fmt/core.h>
 #include <fmt/os.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -45,6 +46,9 @@ struct Options {
   std::uint32_t seed = 1;
   std::vector<index_t> needle_contexts{2048, 8192};
   std::vector<std::string> policies;  // empty: all built-in
+  std::string kv_dump;  // empty: the synthetic layer
+  index_t dump_layer = 0;
+  index_t dump_group = 4;  // query heads per KV head for the queries asked of a dump
   std::string json_path, csv_path;
   std::string plot_path = "compare_policies_pareto.png";
   std::string model_dir = llama2c::default_model_dir().string();
@@ -57,6 +61,10 @@ void print_usage(std::FILE* to) {
              "  --context N          tokens in the synthetic context (default 32768, 32 to 262144)\n"
              "  --queries N          decode queries measured per policy (default 8, 1 to 1000)\n"
              "  --seed N             workload seed (default 1)\n"
+             "  --kv-dump FILE       measure error and speed on real K/V from a kvpack dump (eval/kv_dump.hpp;\n"
+             "                       llama2c --dump-kv writes one) instead of the synthetic layer\n"
+             "  --dump-layer N       the dump's layer to use (default 0)\n"
+             "  --dump-group N       query heads per KV head for the synthetic queries asked of it (default 4)\n"
              "  --needle-contexts L  comma-separated needle context lengths (default 2048,8192; 'none' skips)\n"
              "  --policies L         comma-separated policy names (default: all built-in)\n"
              "  --model-dir DIR      stories260K files (default $KVPACK_MODEL_DIR or ../shared/models/stories260K)\n"
@@ -81,6 +89,12 @@ Options parse(int argc, char** argv) {
       o.queries = args.number<int>(1, 1000);
     } else if (args.is("--seed")) {
       o.seed = args.number<std::uint32_t>(0, 0xFFFFFFFFu);
+    } else if (args.is("--kv-dump")) {
+      o.kv_dump = std::string(args.value());
+    } else if (args.is("--dump-layer")) {
+      o.dump_layer = args.number<index_t>(0, 1 << 20);
+    } else if (args.is("--dump-group")) {
+      o.dump_group = args.number<index_t>(1, 64);
     } else if (args.is("--needle-contexts")) {
       o.needle_contexts.clear();
       if (const std::string_view list = args.value(); list != "none") {
@@ -108,6 +122,7 @@ Options parse(int argc, char** argv) {
 
 struct Row {
   std::string policy, description;
+  std::string not_applicable;   // why the policy cannot store this workload; empty when it ran
   double bits_per_element = 0;  // measured, everything included
   double payload_bits = 0;      // page payload only (the codec's own rate)
   double sequence_bytes = 0;    // one sequence of `context` tokens over 32 layers
@@ -171,11 +186,16 @@ std::string model_cell(const Row& r, Field field, const char* format) {
   return fmt::format(fmt::runtime(format), field(*r.model));
 }
 
-void print_table(const Options& o, const std::vector<Row>& rows, bool have_model) {
+void print_table(const Options& o, index_t tokens, const std::vector<Row>& rows, bool have_model) {
   fmt::print("{:<11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>{}} {:>11} {:>9} {:>8} {:>7}\n", "policy", "bits/elem",
-             "payload", "32K seq", "rel.err", "p99 err", "needle recall", 12 * o.needle_contexts.size(),
-             have_model ? "loss delta" : "", have_model ? "name logp" : "", "GB/s", "vs f16");
+             "payload", tokens % 1024 == 0 ? fmt::format("{}K seq", tokens / 1024) : fmt::format("{} tok", tokens),
+             "rel.err", "p99 err", "needle recall", 12 * o.needle_contexts.size(), have_model ? "loss delta" : "",
+             have_model ? "name logp" : "", "GB/s", "vs f16");
   for (const Row& r : rows) {
+    if (!r.not_applicable.empty()) {
+      fmt::print("{:<11} n/a: {}\n", r.policy, r.not_applicable);
+      continue;
+    }
     fmt::print("{:<11} {:>9.3f} {:>9.3f} {:>7.3f} GiB {:>9.2e} {:>9.2e} {:>{}} {:>11} {:>9} {:>8.2f} {:>6.2f}x\n",
                r.policy, r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024), r.error.mean,
                r.error.p99, needle_cell(o, r), 12 * o.needle_contexts.size(),
@@ -185,14 +205,31 @@ void print_table(const Options& o, const std::vector<Row>& rows, bool have_model
   }
 }
 
+/// `text` as a JSON string literal (quotes, backslashes and control characters escaped).
+std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + '"';
+}
+
 void write_json(const std::string& path, const Options& o, const eval::SyntheticSpec& spec,
                 const std::vector<Row>& rows) {
   auto file = fmt::output_file(path);
-  file.print("{{\n  \"workload\": {{\"kind\": \"synthetic\", \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, "
+  file.print("{{\n  \"workload\": {{\"kind\": {}, \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, "
              "\"head_dim\": {}, \"outlier_channels\": {}, \"outlier_scale\": {}, \"rope_theta\": {}, \"seed\": {}}},\n"
              "  \"isa\": \"{}\",\n  \"rows\": [\n",
-             spec.tokens, spec.q_heads, spec.kv_heads, spec.head_dim, spec.outlier_channels, spec.outlier_scale,
-             spec.rope_theta, spec.seed, dispatch::active_cpu_isa());
+             json_string(o.kv_dump.empty() ? "synthetic" : "kv_dump " + o.kv_dump), spec.tokens, spec.q_heads, spec.kv_heads,
+             spec.head_dim, spec.outlier_channels, spec.outlier_scale, spec.rope_theta, spec.seed,
+             dispatch::active_cpu_isa());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     std::string needle;
@@ -208,12 +245,14 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
                           m.text.loss, m.loss_delta, m.text.kl, m.text.top1_agreement, m.text.first_divergence ? fmt::format("{}", *m.text.first_divergence) : "null",
                           m.name_log_prob, m.name_log_prob_delta);
     }
-    file.print("    {{\"policy\": \"{}\", \"description\": \"{}\", \"bits_per_element\": {:.4f}, "
+    file.print("    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
                "\"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
                "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
                "\"needle_recall\": {:.4f}, \"needle\": [{}], \"real_model\": {}, "
                "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
-               r.policy, r.description, r.bits_per_element, r.payload_bits, r.sequence_bytes, r.error.mean,
+               json_string(r.policy), json_string(r.description),
+               r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element, r.payload_bits,
+               r.sequence_bytes, r.error.mean,
                r.error.p99, r.needle.recall(), needle, model, r.decode_gbps, r.seconds_per_attend, r.vs_f16,
                i + 1 < rows.size() ? "," : "");
   }
@@ -225,6 +264,7 @@ void write_csv(const std::string& path, const std::vector<Row>& rows) {
   file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,attention_rel_error_mean,"
              "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16\n");
   for (const Row& r : rows) {
+    if (!r.not_applicable.empty()) continue;  // the table and the JSON say why
     file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f}\n", r.policy, r.bits_per_element,
                r.payload_bits, r.sequence_bytes, r.error.mean, r.error.p99, r.needle.recall(),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
@@ -243,17 +283,33 @@ int run(const Options& o) {
   eval::SyntheticSpec spec;
   spec.tokens = o.context;
   spec.seed = o.seed;
-  fmt::print("kvpack compare_policies — workload: SYNTHETIC (not a real model's cache), seed {}\n", spec.seed);
-  fmt::print("  one Llama-3.1-8B layer: {} query heads, {} KV heads, head_dim {}; {} tokens; {} key channels x{} "
-             "(outliers); RoPE theta {}; {} sinks, recency, {} content matches per query\n",
-             spec.q_heads, spec.kv_heads, spec.head_dim, spec.tokens, spec.outlier_channels, spec.outlier_scale,
-             spec.rope_theta, spec.sink_tokens, spec.content_matches);
+  eval::LayerKV layer;
+  if (o.kv_dump.empty()) {
+    fmt::print("kvpack compare_policies — workload: SYNTHETIC (not a real model's cache), seed {}\n", spec.seed);
+    fmt::print("  one Llama-3.1-8B layer: {} query heads, {} KV heads, head_dim {}; {} tokens; {} key channels x{} "
+               "(outliers); RoPE theta {}; {} sinks, recency, {} content matches per query\n",
+               spec.q_heads, spec.kv_heads, spec.head_dim, spec.tokens, spec.outlier_channels, spec.outlier_scale,
+               spec.rope_theta, spec.sink_tokens, spec.content_matches);
+    layer = eval::make_layer(spec);
+  } else {
+    eval::KVDumpReader reader(o.kv_dump);
+    layer = reader.read_layer(o.dump_layer);
+    spec.tokens = layer.tokens;
+    spec.kv_heads = layer.kv_heads;
+    spec.head_dim = layer.head_dim;
+    spec.q_heads = layer.kv_heads * o.dump_group;
+    spec.outlier_channels = std::min<int>(spec.outlier_channels, static_cast<int>(spec.head_dim / 2));
+    fmt::print("kvpack compare_policies — workload: K/V dump {} layer {} (real keys and values; SYNTHETIC queries: "
+               "sinks and content matches, seed {})\n",
+               o.kv_dump, o.dump_layer, spec.seed);
+    fmt::print("  {} tokens, {} KV heads x {} query heads each, head_dim {}\n", spec.tokens, spec.kv_heads,
+               o.dump_group, spec.head_dim);
+  }
   fmt::print("  kernels: {} (KVPACK_ISA overrides); decode speed is one thread, one layer, data in memory\n\n",
              dispatch::active_cpu_isa());
 
   std::vector<Row> rows(policies.size());
   {
-    const eval::LayerKV layer = eval::make_layer(spec);
     const std::vector<float> queries = eval::make_decode_queries(spec, layer, o.queries, spec.seed + 1000);
     std::vector<std::vector<double>> exact;
     const std::size_t query_size = static_cast<std::size_t>(spec.q_heads) * spec.head_dim;
@@ -266,15 +322,22 @@ int run(const Options& o) {
     for (std::size_t p = 0; p < policies.size(); ++p) {
       rows[p].policy = policies[p].name;
       rows[p].description = policies[p].description;
-      measure_synthetic(policies[p], spec, layer, queries, exact, rows[p]);
+      try {
+        measure_synthetic(policies[p], spec, layer, queries, exact, rows[p]);
+      } catch (const kvpack::Error& e) {  // e.g. a 32-channel block codec on a dump with head_dim 8
+        rows[p].not_applicable = e.what();
+      }
       bar.update(static_cast<int>(p + 1));
     }
   }
-  for (Row& r : rows) r.vs_f16 = rows.size() > 1 && rows[1].policy == "f16" ? rows[1].seconds_per_attend / r.seconds_per_attend : 0;
+  const auto f16 = std::find_if(rows.begin(), rows.end(), [](const Row& r) { return r.policy == "f16"; });
+  for (Row& r : rows) {
+    if (f16 != rows.end() && r.seconds_per_attend > 0) r.vs_f16 = f16->seconds_per_attend / r.seconds_per_attend;
+  }
 
   if (!o.needle_contexts.empty()) {
-    eval::NeedleSpec needle;
-    needle.workload = spec;
+    eval::NeedleSpec needle;  // always the synthetic Llama-3.1-8B shape: a dump has no needle
+    needle.workload.seed = o.seed;
     needle.contexts = o.needle_contexts;
     const eval::NeedleSuite suite(needle);
     examples::ProgressBar trials("needle trials", static_cast<int>(needle.contexts.size() * needle.depths.size()));
@@ -305,7 +368,7 @@ int run(const Options& o) {
     }
   }
 
-  print_table(o, rows, have_model);
+  print_table(o, spec.tokens, rows, have_model);
   fmt::print("\nbits/elem: all bytes memory() reports (pages, scales, slot positions, fp32 tail, tables) per stored "
              "K/V element; payload: the encoded pages alone.\n"
              "rel.err: |o - o_exact| / |o_exact| per head vs exact attention on the fp32 inputs (mean, p99).\n");
@@ -330,10 +393,14 @@ int run(const Options& o) {
   }
   if (!o.plot_path.empty()) {
     std::vector<examples::ParetoPoint> points;
-    for (const Row& r : rows) points.push_back({r.policy, r.bits_per_element, r.error.mean});
+    for (const Row& r : rows) {
+      if (r.not_applicable.empty()) points.push_back({r.policy, r.bits_per_element, r.error.mean});
+    }
     std::string why;
     if (examples::write_pareto_plot(o.plot_path,
-                                    fmt::format("kvpack policies on the synthetic Llama-3.1-8B layer ({} tokens)", spec.tokens),
+                                    o.kv_dump.empty()
+                                        ? fmt::format("kvpack policies on the synthetic Llama-3.1-8B layer ({} tokens)", spec.tokens)
+                                        : fmt::format("kvpack policies on {} layer {}", o.kv_dump, o.dump_layer),
                                     "attention-output relative error (mean)", points, why)) {
       fmt::print("Pareto plot written to {}\n", o.plot_path);
     } else {

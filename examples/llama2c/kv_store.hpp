@@ -6,13 +6,16 @@
 /// The transformer is the same code over either store, so any difference in logits is the cache's.
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "kvpack/eval/exact_attention.hpp"
+#include "kvpack/eval/kv_dump.hpp"
 #include "kvpack/eval/policies.hpp"
 
 namespace llama2c {
@@ -48,6 +51,7 @@ class CacheKvStore final : public KvStore {
   }
 
   [[nodiscard]] const kvpack::eval::AnyCache& cache() const noexcept { return *cache_; }
+  [[nodiscard]] kvpack::SeqId sequence() const noexcept { return sequence_; }
 
  private:
   std::unique_ptr<kvpack::eval::AnyCache> cache_;
@@ -70,31 +74,20 @@ class ExactKvStore final : public KvStore {
   }
 
   void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const override {
-    const std::vector<float>& keys = keys_.at(static_cast<std::size_t>(layer));
-    const std::vector<float>& values = values_.at(static_cast<std::size_t>(layer));
-    const auto d = static_cast<std::size_t>(shape_.head_dim), row = static_cast<std::size_t>(shape_.kv_heads) * d;
-    const std::size_t tokens = keys.size() / row;
-    const int group = shape_.group_size();
-    std::vector<double> weights(tokens), acc(d);
-    for (int h = 0; h < shape_.q_heads; ++h) {
-      const std::size_t kv_offset = static_cast<std::size_t>(h / group) * d;
-      const float* q = query.data() + static_cast<std::size_t>(h) * d;
-      double top = -INFINITY;
-      for (std::size_t t = 0; t < tokens; ++t) {
-        double dot = 0.0;
-        for (std::size_t c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * keys[t * row + kv_offset + c];
-        weights[t] = dot * scale;
-        top = std::max(top, weights[t]);
-      }
-      double sum = 0.0;
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (std::size_t t = 0; t < tokens; ++t) {
-        weights[t] = std::exp(weights[t] - top);
-        sum += weights[t];
-        for (std::size_t c = 0; c < d; ++c) acc[c] += weights[t] * values[t * row + kv_offset + c];
-      }
-      for (std::size_t c = 0; c < d; ++c) out[static_cast<std::size_t>(h) * d + c] = static_cast<float>(acc[c] / sum);
-    }
+    const std::vector<double> exact =
+        kvpack::eval::exact_attention(keys_.at(static_cast<std::size_t>(layer)), values_.at(static_cast<std::size_t>(layer)),
+                                      shape_.kv_heads, shape_.head_dim, query, scale);
+    std::copy(exact.begin(), exact.end(), out.begin());
+  }
+
+  /// Writes every layer's keys (post-RoPE) and values as a kvpack K/V dump (eval/kv_dump.hpp),
+  /// real model K/V that compare_policies --kv-dump and other evaluations can read.
+  void write_dump(const std::string& path) const {
+    const auto tokens = static_cast<std::uint32_t>(keys_.front().size() / (static_cast<std::size_t>(shape_.kv_heads) * shape_.head_dim));
+    kvpack::eval::KVDumpWriter writer(path, {static_cast<std::uint32_t>(shape_.layers), tokens,
+                                             static_cast<std::uint32_t>(shape_.kv_heads),
+                                             static_cast<std::uint32_t>(shape_.head_dim)});
+    for (std::size_t layer = 0; layer < keys_.size(); ++layer) writer.write_layer(keys_[layer], values_[layer]);
   }
 
  private:

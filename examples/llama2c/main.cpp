@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 #include <fmt/os.h>
 
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "checkpoint.hpp"
+#include "common/cli.hpp"
 #include "evaluate.hpp"
 #include "generate.hpp"
 #include "kv_store.hpp"
@@ -33,8 +33,6 @@ namespace {
 
 using namespace llama2c;
 
-constexpr int kUsageError = 2;
-
 struct Options {
   std::filesystem::path model_dir = default_model_dir();
   std::optional<std::string> policy;  ///< generation: default f32; report: default every policy
@@ -43,16 +41,15 @@ struct Options {
   int page_size = 32;
   bool report = false;
   std::string json_path;
+  std::string dump_path;  ///< generation: also write the generated text's K/V here
 };
 
-struct UsageError {
-  std::string message;
-};
+using kvpack::examples::UsageError;
 
 void print_usage(std::FILE* to) {
   fmt::print(to,
              "usage: llama2c [--model-dir DIR] [--policy NAME] [--steps N] [--prompt TEXT] [--page-size N]\n"
-             "               [--report] [--json FILE]\n"
+             "               [--report] [--json FILE] [--dump-kv FILE]\n"
              "  --model-dir DIR  holds stories260K.bin and tok512.bin (default ${}, else {})\n"
              "  --policy NAME    KV cache policy: f32 f16 bf16 fp8-e4m3 fp8-e5m2 int8 q8_0 q4_0 q8_0/q4_0\n"
              "  --steps N        tokens generated greedily after the prompt (default 256; never stops early)\n"
@@ -60,50 +57,41 @@ void print_usage(std::FILE* to) {
              "  --page-size N    tokens per cache page, a multiple of 16 in [16, 256] (default 32)\n"
              "  --report         every policy (or --policy's) against the f32 cache: loss, KL, top-1 agreement,\n"
              "                   first greedy divergence, name recall\n"
-             "  --json FILE      with --report, also write the rows as JSON\n",
+             "  --json FILE      with --report, also write the rows as JSON\n"
+             "  --dump-kv FILE   without --report, also write the generated text's K/V (f32, post-RoPE) as a\n"
+             "                   kvpack K/V dump (compare_policies --kv-dump reads it)\n",
              kModelDirVariable, LLAMA2C_DEFAULT_MODEL_DIR);
-}
-
-int parse_int(std::string_view option, std::string_view text, int low, int high) {
-  int value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc{} || end != text.data() + text.size() || value < low || value > high) {
-    throw UsageError{fmt::format("{} expects an integer in [{}, {}], got '{}'", option, low, high, text)};
-  }
-  return value;
 }
 
 Options parse(int argc, char** argv) {
   Options options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
+  kvpack::examples::ArgReader args(argc, argv);
+  while (args.next()) {
+    if (args.is("--help") || args.is("-h")) {
       print_usage(stdout);
       std::exit(0);
-    }
-    if (arg == "--report") {
+    } else if (args.is("--report")) {
       options.report = true;
-      continue;
-    }
-    if (i + 1 >= argc) throw UsageError{fmt::format("{} needs a value", arg)};
-    const std::string_view value = argv[++i];
-    if (arg == "--model-dir") {
-      options.model_dir = value;
-    } else if (arg == "--policy") {
-      options.policy = std::string(value);
-    } else if (arg == "--steps") {
-      options.steps = parse_int(arg, value, 0, 1 << 20);
-    } else if (arg == "--prompt") {
-      options.prompt = std::string(value);
-    } else if (arg == "--page-size") {
-      options.page_size = parse_int(arg, value, 16, 256);
-    } else if (arg == "--json") {
-      options.json_path = std::string(value);
+    } else if (args.is("--model-dir")) {
+      options.model_dir = args.value();
+    } else if (args.is("--policy")) {
+      options.policy = std::string(args.value());
+    } else if (args.is("--steps")) {
+      options.steps = args.number<int>(0, 1 << 20);
+    } else if (args.is("--prompt")) {
+      options.prompt = std::string(args.value());
+    } else if (args.is("--page-size")) {
+      options.page_size = args.number<int>(16, 256);
+    } else if (args.is("--json")) {
+      options.json_path = std::string(args.value());
+    } else if (args.is("--dump-kv")) {
+      options.dump_path = std::string(args.value());
     } else {
-      throw UsageError{fmt::format("unknown option '{}'", arg)};
+      throw UsageError{fmt::format("unknown option '{}'", args.name())};
     }
   }
   if (!options.json_path.empty() && !options.report) throw UsageError{"--json needs --report"};
+  if (!options.dump_path.empty() && options.report) throw UsageError{"--dump-kv writes a generation's K/V; drop --report"};
   return options;
 }
 
@@ -124,6 +112,13 @@ void run_generation(const Transformer& model, const Tokenizer& tokenizer, const 
              "{:.2f} bits/element\n",
              prompt.size(), options.steps, seconds, static_cast<double>(fed) / seconds, policy.name, memory.total(),
              memory.bits_per_element());
+  if (!options.dump_path.empty()) {
+    // The same tokens read into an exact store: its K/V are the model's, in fp32, whatever the policy.
+    ExactKvStore exact(model.kv_shape());
+    (void)teacher_forced_logits(model, exact, tokens);
+    exact.write_dump(options.dump_path);
+    fmt::print(stderr, "K/V of {} tokens x {} layers written to {}\n", fed, model.kv_shape().layers, options.dump_path);
+  }
 }
 
 std::string format_divergence(const std::optional<std::size_t>& position) {
@@ -224,7 +219,7 @@ int main(int argc, char** argv) {
   } catch (const UsageError& error) {
     fmt::print(stderr, "llama2c: {}\n", error.message);
     print_usage(stderr);
-    return kUsageError;
+    return kvpack::examples::kUsageError;
   }
   const ModelFiles files = model_files(options.model_dir);
   if (!files.present()) {

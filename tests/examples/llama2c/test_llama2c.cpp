@@ -314,3 +314,39 @@ TEST_CASE("name recall: the f32 cache scores each name as the exact forward pass
     CHECK(benchmark.probe_scores[p].top1 == reference.top1);
   }
 }
+
+TEST_CASE("kv dump: the exact store writes the K/V an f32 cache holds for the same text", "[llama2c][model]") {
+  const Model* m = model_or_warn();
+  if (m == nullptr) return;
+  const std::vector<int> text = m->tokenizer.encode("Once upon a time, there was a little dog named Spot.");
+  ExactKvStore exact(m->transformer.kv_shape());
+  CacheKvStore cached = f32_cache(m->transformer);
+  (void)teacher_forced_logits(m->transformer, exact, text);
+  (void)teacher_forced_logits(m->transformer, cached, text);
+  const std::string path = (std::filesystem::temp_directory_path() / "kvpack_test_llama2c.kvdump").string();
+  exact.write_dump(path);
+  kvpack::eval::KVDumpReader reader(path);
+  const kvpack::ModelShape shape = m->transformer.kv_shape();
+  REQUIRE(reader.header().layers == static_cast<std::uint32_t>(shape.layers));
+  REQUIRE(reader.header().tokens == text.size() - 1);  // the last token is never fed
+  for (kvpack::index_t layer = 0; layer < shape.layers; ++layer) {
+    const kvpack::eval::LayerKV dumped = reader.read_layer(layer);
+    for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
+      // f32 pages and the tail hold their input bits exactly. Layer 0's K/V come from the
+      // embeddings alone, so they match bit for bit; deeper layers see attention outputs that
+      // differ by fp32-versus-double rounding (the oracle test's 1e-4 bound).
+      const kvpack::StoredTokens stored = cached.cache().read_back(cached.sequence(), layer, head);
+      REQUIRE(stored.size() == dumped.tokens);
+      const double tolerance = layer == 0 ? 0.0 : 1e-4;
+      for (kvpack::index_t t = 0; t < dumped.tokens; ++t) {
+        for (kvpack::index_t c = 0; c < shape.head_dim; ++c) {
+          const float k = stored.keys[static_cast<std::size_t>(t) * shape.head_dim + c];
+          const float v = stored.values[static_cast<std::size_t>(t) * shape.head_dim + c];
+          REQUIRE(std::fabs(dumped.key(t, head)[c] - k) <= tolerance * (1.0 + std::fabs(k)));
+          REQUIRE(std::fabs(dumped.value(t, head)[c] - v) <= tolerance * (1.0 + std::fabs(v)));
+        }
+      }
+    }
+  }
+  std::filesystem::remove(path);
+}
