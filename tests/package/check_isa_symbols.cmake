@@ -51,7 +51,10 @@ foreach(object IN LISTS objects)
     endif()
     set(type "${CMAKE_MATCH_1}")
     set(name "${CMAKE_MATCH_2}")
-    if(NOT type MATCHES "^[WV]$" OR name STREQUAL "DW.ref.__gxx_personality_v0")
+    # Compiler runtime helpers hold no vector code, so any object's copy serves every ISA:
+    # GCC's personality reference and clang's terminate trampoline for noexcept functions.
+    if(NOT type MATCHES "^[WV]$" OR name STREQUAL "DW.ref.__gxx_personality_v0" OR
+       name STREQUAL "__clang_call_terminate")
       continue()
     endif()
     math(EXPR weak "${weak} + 1")
