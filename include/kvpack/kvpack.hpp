@@ -16,6 +16,7 @@
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/int8.hpp"
+#include "kvpack/quant/kivi.hpp"
 #include "kvpack/quant/mixed.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"

@@ -86,16 +86,21 @@ class CacheAdapter final : public AnyCache {
 struct Policy {
   std::string name;         ///< what command lines take, e.g. "q4_0"
   std::string description;  ///< the C++ type, e.g. "KVCache<GQA, Q4_0>"
-  std::function<std::unique_ptr<AnyCache>(const ModelShape&, const CacheConfig&)> make;
+  std::function<std::unique_ptr<AnyCache>(const ModelShape&, CacheConfig)> make;
 };
 
-/// A Policy for KVCache<layout::GQA, Quantizer, Evictor, Selector>.
+/// A Policy for KVCache<layout::GQA, Quantizer, Evictor, Selector>. `residual_tokens`: the
+/// full-precision window the method is defined with (KIVI's R); the cache's tail is raised to
+/// it (rounded up to whole pages) when the caller's config asks for less.
 template <class Quantizer, class Evictor = evict::KeepAll, class Selector = select::DenseRead>
-Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}) {
+Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}, index_t residual_tokens = 0) {
   using Cache = KVCache<layout::GQA, Quantizer, Evictor, Selector>;
   return {std::move(name), std::move(description),
-          [quantizer](const ModelShape& shape, const CacheConfig& config) -> std::unique_ptr<AnyCache> {
-            return std::make_unique<CacheAdapter<Cache>>(shape, config, quantizer);
+          [quantizer, residual_tokens](const ModelShape& shape, CacheConfig config) -> std::unique_ptr<AnyCache> {
+            if (config.tail_tokens < residual_tokens && config.page_size > 0) {
+              config.tail_tokens = (residual_tokens + config.page_size - 1) / config.page_size * config.page_size;
+            }
+            return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config), quantizer);
           }};
 }
 
@@ -111,6 +116,9 @@ inline std::vector<Policy> builtin_policies() {
       make_policy<quant::Q8_0>("q8_0", "Q8_0 (llama.cpp block_q8_0)"),
       make_policy<quant::Q4_0>("q4_0", "Q4_0 (llama.cpp block_q4_0)"),
       make_policy<quant::Mixed<quant::Q8_0, quant::Q4_0>>("q8_0/q4_0", "Mixed<Q8_0 keys, Q4_0 values>"),
+      // KIVI as published: group 32, the newest R = 128 tokens kept in full precision.
+      make_policy<quant::KIVI<4>>("kivi-4", "KIVI<4, 32>, residual 128: 4-bit keys per channel, values per token", {}, 128),
+      make_policy<quant::KIVI<2>>("kivi-2", "KIVI<2, 32>, residual 128: 2-bit keys per channel, values per token", {}, 128),
   };
 }
 

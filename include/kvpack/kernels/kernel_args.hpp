@@ -76,12 +76,15 @@ struct RowScoreArgs {
 };
 
 /// Scratch floats every key and value kernel may use for one call (per-page staging of scales,
-/// weights and the prepared query), generously bounded so callers size one buffer for all codecs.
+/// weights and the prepared query, or one page decoded to fp32), generously bounded so callers
+/// size one buffer for all codecs.
 [[nodiscard]] constexpr std::size_t scratch_floats(index_t group, index_t page_size,
                                                    index_t head_dim) noexcept {
   const std::size_t blocks = static_cast<std::size_t>(head_dim) / 32 + 1;
-  return 4 * static_cast<std::size_t>(group) * (head_dim + page_size * blocks + blocks) +
-         4 * static_cast<std::size_t>(page_size) * blocks + 256;
+  const std::size_t staging = 4 * static_cast<std::size_t>(group) * (head_dim + page_size * blocks + blocks) +
+                              4 * static_cast<std::size_t>(page_size) * blocks + 256;
+  const std::size_t page_tile = static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim);
+  return staging > page_tile ? staging : page_tile;
 }
 
 static_assert(std::is_trivially_copyable_v<PageRun>);

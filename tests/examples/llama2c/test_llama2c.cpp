@@ -277,6 +277,11 @@ TEST_CASE("policies: every builtin runs on the real model or says why it cannot"
       CHECK_THAT(r.not_applicable, Contains("head_dim 8 is not a multiple of 32"));
       continue;
     }
+    if (policy.name.starts_with("kivi")) {
+      // Value groups of 32 channels along head_dim 8 (groups spanning heads are future work).
+      CHECK_THAT(r.not_applicable, Contains("head_dim 8 must be a multiple of it"));
+      continue;
+    }
     REQUIRE(r.not_applicable.empty());
     CHECK(std::isfinite(r.text.loss));
     CHECK(r.text.kl >= 0.0);

@@ -30,10 +30,10 @@ std::set<PageId> all_pages(const Cache& cache, const std::vector<SeqId>& live, i
 }
 
 template <class Quantizer>
-void run_random_operations(index_t tail_tokens, std::uint32_t seed) {
+void run_random_operations(index_t tail_tokens, std::uint32_t seed, index_t page_size = 16) {
   const ModelShape shape{3, 4, 2, 32};
   CacheConfig config;
-  config.page_size = 16;
+  config.page_size = page_size;
   config.tail_tokens = tail_tokens;
   KVCache<layout::GQA, Quantizer> cache(shape, config);
   test::ReferenceCache<Quantizer> model(shape, config.page_size, tail_tokens);
@@ -144,4 +144,10 @@ TEMPLATE_TEST_CASE("random operation sequences match the reference model", "[cac
   SECTION("no extra tail") { run_random_operations<TestType>(0, 1); }
   SECTION("a one-page full-precision tail") { run_random_operations<TestType>(16, 2); }
   SECTION("a two-page tail, other data") { run_random_operations<TestType>(32, 3); }
+}
+
+TEMPLATE_TEST_CASE("random operation sequences match the reference model with KIVI's 32-token key groups",
+                   "[cache][property]", quant::KIVI<2>, quant::KIVI<4>) {
+  SECTION("no extra tail") { run_random_operations<TestType>(0, 4, 32); }
+  SECTION("a one-page full-precision tail (KIVI's residual)") { run_random_operations<TestType>(32, 5, 32); }
 }

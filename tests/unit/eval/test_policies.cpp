@@ -30,12 +30,13 @@ TEST_CASE("every built-in policy builds, stores and attends through AnyCache", "
     CHECK(cache->length(seq, 0) == 100);
     std::vector<float> out(query.size());
     cache->attend(seq, 0, std::span<const float>(query), std::span<float>(out), 0.125f);
-    // Loose tiers, to catch a policy wired to the wrong codec or kernel rather than to grade it:
-    // with two outlier channels (5x) in a 32-channel block, q4_0's step is ~1.5, which moves
-    // scores by ~0.3 and the output by about as much (measured 0.29); 8-bit formats stay near
-    // 0.01–0.07, 16-bit ones below 0.004.
+    // Loose tiers, to catch a policy wired to the wrong codec or kernel rather than to grade it
+    // (the kernel and codec tests hold each format to its own bound): with two outlier channels
+    // (5x) in a 32-channel block, q4_0's step is ~1.5, which moves scores by ~0.3 and the output
+    // by about as much (measured 0.29); KIVI-2's four levels per group measure 0.69; 8-bit
+    // formats stay near 0.01–0.07, 16-bit ones below 0.004.
     const double bits = cache->nominal_bits_per_element();
-    CHECK(relative_error(out, exact) < (bits >= 16 ? 0.01 : bits >= 8 ? 0.1 : 0.5));
+    CHECK(relative_error(out, exact) < (bits >= 16 ? 0.01 : bits >= 8 ? 0.1 : bits >= 4 ? 0.5 : 1.0));
     CHECK(cache->memory().stored_elements == 100 * 2 * 64 * 2);
     CHECK(cache->nominal_bits_per_element() > 0);
   }
@@ -81,4 +82,16 @@ TEST_CASE("read_back returns paged tokens through the codec and the tail exactly
       }
     }
   }
+}
+
+TEST_CASE("KIVI policies keep their published residual of 128 full-precision tokens", "[eval][policies]") {
+  const ModelShape shape{1, 4, 2, 64};
+  CHECK(find_policy("kivi-2").make(shape, {})->config().tail_tokens == 128);
+  CacheConfig longer;
+  longer.tail_tokens = 256;
+  CHECK(find_policy("kivi-4").make(shape, longer)->config().tail_tokens == 256);  // never lowered
+  CacheConfig pages_of_96;
+  pages_of_96.page_size = 96;
+  CHECK(find_policy("kivi-4").make(shape, pages_of_96)->config().tail_tokens == 192);  // whole pages
+  CHECK(find_policy("q4_0").make(shape, {})->config().tail_tokens == 0);
 }

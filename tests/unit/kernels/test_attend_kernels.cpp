@@ -236,4 +236,24 @@ TEMPLATE_TEST_CASE("element-wise formats handle head_dim that is not a multiple 
   }
 }
 
+TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key groups per page)",
+                   "[kernels][cpu]", quant::KIVI<2>, quant::KIVI<4>) {
+  struct Case {
+    index_t page_size, head_dim, pages, tail, group;
+  };
+  // Precompiled for group 32 only (other groups compile for the including file's own ISA).
+  const Case cases[] = {{64, 128, 6, 0, 4}, {64, 128, 3, 17, 8}, {32, 64, 2, 31, 2}, {128, 256, 2, 5, 5}};
+  for (const Case& c : cases) {
+    const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
+    auto keys = test::random_rows(rows, c.head_dim, 61, 4, 10.0f);  // outlier channels
+    auto values = test::random_rows(rows, c.head_dim, 62);
+    for (int ch = 0; ch < c.head_dim; ++ch) keys[3 * c.head_dim + ch] = 0.0f;  // a zero row
+    for (std::size_t t = 0; t < rows; ++t) values[t * c.head_dim + 1] = 0.5f;  // a constant channel
+    auto queries = test::random_rows(c.group, c.head_dim, 63, 4, 3.0f);
+    for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true);
+  }
+}
+
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
+#include "kvpack/kernels/cpu/kivi.hpp"
 #include "kvpack/kernels/cpu/q4_0.hpp"
 #include "kvpack/kernels/cpu/kernels.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"

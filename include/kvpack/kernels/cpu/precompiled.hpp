@@ -2,7 +2,7 @@
 /// \file precompiled.hpp
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
-/// Every shipped codec is listed. A kernel not listed here (a user's own codec) still works: it
+/// Every shipped codec is listed (KIVI with its default group of 32). A kernel not listed here (a user's own codec) still works: it
 /// is compiled inline for the including file's own target (`default_arch`).
 
 #include <type_traits>
@@ -11,6 +11,7 @@
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/int8.hpp"
+#include "kvpack/quant/kivi.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
 
@@ -25,6 +26,8 @@ using ScoreE5M2 = ScoreKeys<quant::FP8Codec<quant::E5M2, Plane::kKey>>;
 using ScoreInt8 = ScoreKeys<quant::Int8Codec<Plane::kKey>>;
 using ScoreQ8_0 = ScoreKeys<quant::Q8_0Codec<Plane::kKey>>;
 using ScoreQ4_0 = ScoreKeys<quant::Q4_0Codec<Plane::kKey>>;
+using ScoreKivi2 = ScoreKeys<quant::KiviKeyCodec<2, 32>>;
+using ScoreKivi4 = ScoreKeys<quant::KiviKeyCodec<4, 32>>;
 using AccumulateF32 = AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
 using AccumulateF16 = AccumulateValues<quant::FloatCodec<half, Plane::kValue>>;
 using AccumulateBF16 = AccumulateValues<quant::FloatCodec<bfloat16, Plane::kValue>>;
@@ -33,6 +36,8 @@ using AccumulateE5M2 = AccumulateValues<quant::FP8Codec<quant::E5M2, Plane::kVal
 using AccumulateInt8 = AccumulateValues<quant::Int8Codec<Plane::kValue>>;
 using AccumulateQ8_0 = AccumulateValues<quant::Q8_0Codec<Plane::kValue>>;
 using AccumulateQ4_0 = AccumulateValues<quant::Q4_0Codec<Plane::kValue>>;
+using AccumulateKivi2 = AccumulateValues<quant::KiviValueCodec<2, 32>>;
+using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -44,7 +49,8 @@ using AccumulateQ4_0 = AccumulateValues<quant::Q4_0Codec<Plane::kValue>>;
   X(precompiled::AccumulateF16) X(precompiled::AccumulateBF16)                            \
   X(precompiled::AccumulateE4M3) X(precompiled::AccumulateE5M2)                           \
   X(precompiled::AccumulateInt8) X(precompiled::AccumulateQ8_0)                           \
-  X(precompiled::AccumulateQ4_0) X(SoftmaxUpdate) X(ScoreRows)
+  X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
+  X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(SoftmaxUpdate) X(ScoreRows)
 
 namespace kvpack::inline v0::kernels::cpu {
 
