@@ -146,19 +146,10 @@ void measure_synthetic(const eval::Policy& policy, const eval::SyntheticSpec& sp
   row.payload_bits = bits.payload;
   row.sequence_bytes = static_cast<double>(memory.total()) * kModelLayers;
 
+  row.error = eval::attention_error(*cache, seq, 0, queries, exact);
+
   const std::size_t query_size = static_cast<std::size_t>(spec.q_heads) * spec.head_dim;
   std::vector<float> out(query_size);
-  std::vector<double> errors;
-  for (std::size_t n = 0; n < exact.size(); ++n) {
-    cache->attend(seq, 0, std::span<const float>(&queries[n * query_size], query_size), std::span<float>(out),
-                  1.0f / std::sqrt(static_cast<float>(spec.head_dim)));
-    for (index_t h = 0; h < spec.q_heads; ++h) {
-      errors.push_back(eval::relative_error(std::span<const float>(&out[h * spec.head_dim], spec.head_dim),
-                                            std::span<const double>(&exact[n][h * spec.head_dim], spec.head_dim)));
-    }
-  }
-  row.error = eval::summarize(errors);
-
   // Speed: the same decode step repeated; bytes read = every page payload plus the fp32 tail.
   const double bytes_read = static_cast<double>(memory.page_payload) + static_cast<double>(memory.tails);
   constexpr int kRepeats = 10;
@@ -311,13 +302,7 @@ int run(const Options& o) {
   std::vector<Row> rows(policies.size());
   {
     const std::vector<float> queries = eval::make_decode_queries(spec, layer, o.queries, spec.seed + 1000);
-    std::vector<std::vector<double>> exact;
-    const std::size_t query_size = static_cast<std::size_t>(spec.q_heads) * spec.head_dim;
-    for (int n = 0; n < o.queries; ++n) {
-      exact.push_back(eval::exact_attention(layer.keys, layer.values, spec.kv_heads, spec.head_dim,
-                                            std::span<const float>(&queries[n * query_size], query_size),
-                                            1.0 / std::sqrt(static_cast<double>(spec.head_dim))));
-    }
+    const std::vector<std::vector<double>> exact = eval::exact_outputs(layer, queries, spec.q_heads);
     examples::ProgressBar bar("attention error and speed", static_cast<int>(policies.size()));
     for (std::size_t p = 0; p < policies.size(); ++p) {
       rows[p].policy = policies[p].name;

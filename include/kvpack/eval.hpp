@@ -4,6 +4,7 @@
 ///        attention, metrics, the needle failure case and run-time policy selection.
 /// Not pulled in by kvpack/kvpack.hpp: engines that only store KV need none of it.
 
+#include "kvpack/eval/attention_error.hpp"
 #include "kvpack/eval/exact_attention.hpp"
 #include "kvpack/eval/kv_dump.hpp"
 #include "kvpack/eval/metrics.hpp"

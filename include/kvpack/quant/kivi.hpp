@@ -154,17 +154,20 @@ struct KiviKeyCodec : KiviTraits<Bits, Group> {
   friend constexpr bool operator==(const KiviKeyCodec&, const KiviKeyCodec&) noexcept { return true; }
 };
 
-/// KIVI's value plane: per token, groups of Group channels.
-template <int Bits, int Group>
-struct KiviValueCodec : KiviTraits<Bits, Group> {
+/// A KIVI plane quantized per token, groups of Group channels: KIVI's values, and (on the key
+/// plane) the per-token keys of its ablation, which per-channel keys beat.
+template <int Bits, int Group, Plane kPlaneOf>
+struct KiviTokenCodec : KiviTraits<Bits, Group> {
   using params_type = NoParams;
-  static constexpr std::string_view kName = Bits == 2 ? "kivi2_value" : "kivi4_value";
-  static constexpr Plane kPlane = Plane::kValue;
+  static constexpr std::string_view kName = kPlaneOf == Plane::kValue ? (Bits == 2 ? "kivi2_value" : "kivi4_value")
+                                                                      : (Bits == 2 ? "kivi2_token_key" : "kivi4_token_key");
+  static constexpr Plane kPlane = kPlaneOf;
 
   void validate(PageGeometry g) const {
     KVPACK_CHECK(g.head_dim % Group == 0, kUnsupported,
-                 ::kvpack::detail::message("KIVI values are quantized in groups of ", Group,
-                                           " channels: head_dim ", g.head_dim, " must be a multiple of it"));
+                 ::kvpack::detail::message("KIVI ", kPlaneOf == Plane::kValue ? "values" : "per-token keys",
+                                           " are quantized in groups of ", Group, " channels: head_dim ", g.head_dim,
+                                           " must be a multiple of it"));
   }
   [[nodiscard]] static constexpr std::size_t row_bytes(PageGeometry g) noexcept {
     return static_cast<std::size_t>(g.head_dim) * Bits / 8;
@@ -212,8 +215,11 @@ struct KiviValueCodec : KiviTraits<Bits, Group> {
     }
   }
 
-  friend constexpr bool operator==(const KiviValueCodec&, const KiviValueCodec&) noexcept { return true; }
+  friend constexpr bool operator==(const KiviTokenCodec&, const KiviTokenCodec&) noexcept { return true; }
 };
+
+template <int Bits, int Group>
+using KiviValueCodec = KiviTokenCodec<Bits, Group, Plane::kValue>;
 
 /// KIVI: 2- or 4-bit keys per channel and values per token, fp16 scale and minimum per group.
 template <int Bits, int Group = 32>
@@ -224,6 +230,18 @@ struct KIVI {
   value_codec value{};
   static std::string name() { return "kivi" + std::to_string(Bits) + "_g" + std::to_string(Group); }
   friend constexpr bool operator==(const KIVI&, const KIVI&) noexcept { return true; }
+};
+
+/// KIVI's ablation: keys per token (like its values) instead of per channel. Outlier key
+/// channels then set every channel's step; the asymmetry experiment measures what that costs.
+template <int Bits, int Group = 32>
+struct KiviPerTokenKeys {
+  using key_codec = KiviTokenCodec<Bits, Group, Plane::kKey>;
+  using value_codec = KiviValueCodec<Bits, Group>;
+  key_codec key{};
+  value_codec value{};
+  static std::string name() { return "kivi" + std::to_string(Bits) + "_g" + std::to_string(Group) + "_token_keys"; }
+  friend constexpr bool operator==(const KiviPerTokenKeys&, const KiviPerTokenKeys&) noexcept { return true; }
 };
 
 }  // namespace kvpack::inline v0::quant

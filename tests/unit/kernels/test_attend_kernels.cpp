@@ -237,7 +237,8 @@ TEMPLATE_TEST_CASE("element-wise formats handle head_dim that is not a multiple 
 }
 
 TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key groups per page)",
-                   "[kernels][cpu]", quant::KIVI<2>, quant::KIVI<4>) {
+                   "[kernels][cpu]", quant::KIVI<2>, quant::KIVI<4>, quant::KiviPerTokenKeys<2>,
+                   quant::KiviPerTokenKeys<4>) {
   struct Case {
     index_t page_size, head_dim, pages, tail, group;
   };

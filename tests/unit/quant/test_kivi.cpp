@@ -112,6 +112,8 @@ TEST_CASE("KIVI values: per token over channel groups, within the asymmetric qua
   check_roundtrip<q::KiviValueCodec<4, 32>, 4, 32>(false);
   check_roundtrip<q::KiviValueCodec<2, 64>, 2, 64>(false);
   check_roundtrip<q::KiviValueCodec<4, 128>, 4, 128>(false);
+  // The ablation's per-token keys share the value plane's format.
+  check_roundtrip<q::KiviTokenCodec<2, 32, kvpack::Plane::kKey>, 2, 32>(false);
 }
 
 TEST_CASE("KIVI stores a constant group as scale 0 and code 0 and gives back its fp16 value", "[quant][kivi]") {

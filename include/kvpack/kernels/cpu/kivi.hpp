@@ -16,6 +16,7 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
+#include "kvpack/kernels/cpu/softmax.hpp"
 #include "kvpack/quant/kivi.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
@@ -79,10 +80,10 @@ KVPACK_ALWAYS_INLINE void unpack_kivi_keys(A, quant::PageGeometry g, const std::
   }
 }
 
-/// A value page as fp32, token-major (`tile[t·head_dim + c]`).
-template <int Bits, int Group, class A>
-KVPACK_ALWAYS_INLINE void unpack_kivi_values(A, quant::PageGeometry g, const std::byte* plane, float* tile) noexcept {
-  using Codec = quant::KiviValueCodec<Bits, Group>;
+/// A per-token plane (values, or the ablation's keys) as fp32, token-major (`tile[t·head_dim + c]`).
+template <int Bits, int Group, Plane kPlane, class A>
+KVPACK_ALWAYS_INLINE void unpack_kivi_tokens(A, quant::PageGeometry g, const std::byte* plane, float* tile) noexcept {
+  using Codec = quant::KiviTokenCodec<Bits, Group, kPlane>;
   const std::size_t groups = static_cast<std::size_t>(g.head_dim / Group);  // scale[token][group]
   for (index_t t = 0; t < g.page_size; ++t) {
     unpack_kivi_row<Bits, A>(plane + Codec::row_bytes(g) * static_cast<std::size_t>(t), g.head_dim, Group,
@@ -116,6 +117,24 @@ void score_keys(A arch, std::type_identity<quant::KiviKeyCodec<Bits, Group>>,
   }
 }
 
+/// The ablation's per-token keys: token-major rows, scored like the tail's full-precision rows.
+template <int Bits, int Group, class A>
+void score_keys(A arch, std::type_identity<quant::KiviTokenCodec<Bits, Group, Plane::kKey>>,
+                const ScoreArgs<quant::NoParams>& args) noexcept {
+  const PageRun& run = args.run;
+  const quant::PageGeometry geometry{run.page_size, run.head_dim};
+  float* tile = args.scratch;  // [page_size][head_dim]
+  for (index_t i = 0; i < run.count; ++i) {
+    PagePrefetcher(run, i, 1, 1).step();
+    unpack_kivi_tokens<Bits, Group, Plane::kKey>(arch, geometry, run.pages[i], tile);
+    score_rows(arch, RowScoreArgs{tile, run.page_size, run.head_dim, run.head_dim, args.queries, args.group,
+                                  args.scores + i * run.page_size, args.score_stride});
+    if (run.live != nullptr) {
+      mask_dead_slots(run.live[i], run.page_size, args.group, args.scores + i * run.page_size, args.score_stride);
+    }
+  }
+}
+
 template <int Bits, int Group, class A>
 void accumulate_values(A arch, std::type_identity<quant::KiviValueCodec<Bits, Group>>,
                        const AccumulateArgs<quant::NoParams>& args) noexcept {
@@ -124,7 +143,7 @@ void accumulate_values(A arch, std::type_identity<quant::KiviValueCodec<Bits, Gr
   float* tile = args.scratch;  // [page_size][head_dim]
   const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
   for (index_t i = 0; i < run.count; ++i) {
-    unpack_kivi_values<Bits, Group>(arch, geometry, run.pages[i] + run.value_offset, tile);
+    unpack_kivi_tokens<Bits, Group, Plane::kValue>(arch, geometry, run.pages[i] + run.value_offset, tile);
     // Dead slots carry weight 0, so their decoded rows add nothing.
     const AccumulateArgs<quant::NoParams> page{tile_run(&tile_page, run), {}, args.weights + i * run.page_size,
                                                args.weight_stride, args.group, args.acc, nullptr};

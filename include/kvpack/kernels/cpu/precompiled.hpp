@@ -28,6 +28,8 @@ using ScoreQ8_0 = ScoreKeys<quant::Q8_0Codec<Plane::kKey>>;
 using ScoreQ4_0 = ScoreKeys<quant::Q4_0Codec<Plane::kKey>>;
 using ScoreKivi2 = ScoreKeys<quant::KiviKeyCodec<2, 32>>;
 using ScoreKivi4 = ScoreKeys<quant::KiviKeyCodec<4, 32>>;
+using ScoreKivi2Token = ScoreKeys<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
+using ScoreKivi4Token = ScoreKeys<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
 using AccumulateF32 = AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
 using AccumulateF16 = AccumulateValues<quant::FloatCodec<half, Plane::kValue>>;
 using AccumulateBF16 = AccumulateValues<quant::FloatCodec<bfloat16, Plane::kValue>>;
@@ -50,7 +52,8 @@ using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
   X(precompiled::AccumulateE4M3) X(precompiled::AccumulateE5M2)                           \
   X(precompiled::AccumulateInt8) X(precompiled::AccumulateQ8_0)                           \
   X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
-  X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(SoftmaxUpdate) X(ScoreRows)
+  X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
+  X(precompiled::ScoreKivi4Token) X(SoftmaxUpdate) X(ScoreRows)
 
 namespace kvpack::inline v0::kernels::cpu {
 
