@@ -135,14 +135,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(parse(argc, argv));
-  } catch (const UsageError& e) {
-    fmt::print(stderr, "kv_asymmetry: {}\n", e.message);
-    print_usage(stderr);
-    return examples::kUsageError;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "kv_asymmetry: {}\n", e.what());
-    return 1;
-  }
+  return kvpack::examples::guarded_main("kv_asymmetry", [&] { return parse(argc, argv); }, run, print_usage);
 }

@@ -7,6 +7,8 @@
 #include <fmt/core.h>
 
 #include <charconv>
+#include <cstdio>
+#include <exception>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -77,6 +79,23 @@ inline std::vector<std::string> split(std::string_view text, char separator) {
     items.emplace_back(item);
     if (end == std::string_view::npos) return items;
     start = end + 1;
+  }
+}
+
+/// The body of an example's main(): `run(parse())`, with a UsageError printed as
+/// "program: message" plus the usage (exit kUsageError) and any other exception as
+/// "program: what" (exit 1).
+template <class Parse, class Run, class PrintUsage>
+int guarded_main(std::string_view program, Parse parse, Run run, PrintUsage print_usage) {
+  try {
+    return run(parse());
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "{}: {}\n", program, e.message);
+    print_usage(stderr);
+    return kUsageError;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "{}: {}\n", program, e.what());
+    return 1;
   }
 }
 
