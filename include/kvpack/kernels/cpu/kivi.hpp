@@ -7,13 +7,13 @@
 /// Never more than one page is decoded at a time (page_size · head_dim floats of the call's
 /// scratch), so the cache is still read in its packed form. Where whole vectors fit, a row is
 /// unpacked in a permuted ("sliced") order — code j of every byte together — and the scores or
-/// sums are put back in order once per page or call. The unpacking repeats the codec's
-/// decode here, templated on the arch, so each instruction set compiles its own; folding the per-channel scales into the
-/// query and scoring straight from the codes (ALGORITHMS.md §1) is the faster design still to
-/// come — this path is correct on every ISA first.
+/// sums are put back in order once per page or call. The unpacking repeats the codec's decode
+/// here, templated on the arch, so each instruction set compiles its own copy. Folding the
+/// per-channel scales into the query and scoring straight from the codes (ALGORITHMS.md §1) is
+/// the faster design still to come; this path is correct on every ISA first.
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -133,7 +133,7 @@ KVPACK_ALWAYS_INLINE void unpack_kivi_tokens(A, quant::PageGeometry g, const std
 }
 
 /// A run of one fp32 page at `tile` (its K or V plane at offset 0).
-inline PageRun tile_run(const std::byte* const* tile, const PageRun& run) noexcept {
+KVPACK_ALWAYS_INLINE PageRun tile_run(const std::byte* const* tile, const PageRun& run) noexcept {
   return PageRun{tile, nullptr, 1, 0, run.page_size, run.head_dim, 0, 0};
 }
 
