@@ -132,10 +132,10 @@ struct Row {
   double decode_gbps = 0, seconds_per_attend = 0, vs_f16 = 0;
 };
 
-/// Attention error, bytes and decode speed of one policy on the synthetic layer.
-void measure_synthetic(const eval::Policy& policy, const eval::SyntheticSpec& spec, const eval::LayerKV& layer,
-                       const std::vector<float>& queries, const std::vector<std::vector<double>>& exact,
-                       Row& row) {
+/// Attention error, bytes and decode speed of one policy on one layer (synthetic or from a dump).
+void measure_layer(const eval::Policy& policy, const eval::SyntheticSpec& spec, const eval::LayerKV& layer,
+                   const std::vector<float>& queries, const std::vector<std::vector<double>>& exact,
+                   Row& row) {
   const auto cache = policy.make({1, spec.q_heads, spec.kv_heads, spec.head_dim}, {});
   const SeqId seq = cache->add_sequence();
   cache->prefill(seq, 0, std::span<const float>(layer.keys), std::span<const float>(layer.values));
@@ -308,7 +308,7 @@ int run(const Options& o) {
       rows[p].policy = policies[p].name;
       rows[p].description = policies[p].description;
       try {
-        measure_synthetic(policies[p], spec, layer, queries, exact, rows[p]);
+        measure_layer(policies[p], spec, layer, queries, exact, rows[p]);
       } catch (const kvpack::Error& e) {  // e.g. a 32-channel block codec on a dump with head_dim 8
         rows[p].not_applicable = e.what();
       }
