@@ -85,7 +85,8 @@ class KVCache {
         streams_(validated_streams(layout_, shape_)),
         key_dim_(layout_.key_dim(shape_)),
         value_dim_(layout_.value_dim(shape_)),
-        pool_(page_format(), config_.max_pages) {
+        pool_(page_format(), config_.max_pages),
+        rope_tables_(config_.key_rope ? RopeTables(*config_.key_rope, key_dim_) : RopeTables()) {
     for (index_t h = 0; h < shape_.q_heads; ++h) {
       KVPACK_CHECK(layout_.stream_of_query_head(shape_, h) == h / shape_.group_size(), kInvalidConfig,
                    detail::message("layout ", Layout::kName, " maps query head ", h,
@@ -153,8 +154,8 @@ class KVCache {
                                  query_row, " elements, got ", observation_queries.size()));
     LayerState& state = sequence.layers[layer];
     const std::int64_t first = state.last_position + 1;
-    KVPACK_CHECK(first + static_cast<std::int64_t>(tokens) - 1 <= std::numeric_limits<std::int32_t>::max(),
-                 kOutOfRange, "prefill: positions would exceed the int32 range pages store");
+    KVPACK_CHECK(first + static_cast<std::int64_t>(tokens) - 1 <= max_position(), kOutOfRange,
+                 detail::message("prefill: positions would exceed ", max_position(), max_position_reason()));
     if (config_.check_inputs && !observation_queries.empty()) {
       check_values(as_floats(observation_queries, 2), std::numeric_limits<float>::max(), "prefill",
                    "observation_queries");
@@ -178,10 +179,11 @@ class KVCache {
                  detail::message("append: key and value must hold kv_heads * head_dim = ", key_row,
                                  " elements, got ", key.size(), " and ", value.size()));
     LayerState& state = sequence.layers[layer];
-    KVPACK_CHECK(position > state.last_position && position <= std::numeric_limits<std::int32_t>::max(),
-                 kInvalidArgument,
+    KVPACK_CHECK(position > state.last_position, kInvalidArgument,
                  detail::message("append: position ", position, " must be greater than the layer's last (",
-                                 state.last_position, ") and fit in int32"));
+                                 state.last_position, ")"));
+    KVPACK_CHECK(position <= max_position(), kOutOfRange,
+                 detail::message("append: position ", position, " exceeds ", max_position(), max_position_reason()));
     write_tokens(state, layer, as_floats(key, 0), as_floats(value, 1), 1,
                  static_cast<std::int32_t>(position), "append");
   }
@@ -212,9 +214,19 @@ class KVCache {
       thread_local kernels::Workspace workspace;
       thread_local std::vector<float> scaled_queries;
       thread_local std::vector<const std::byte*> page_pointers;
+      thread_local std::vector<const std::int32_t*> page_positions;
       const std::vector<PageId>& table = state.tables[s];
       page_pointers.resize(table.size());
       for (std::size_t i = 0; i < table.size(); ++i) page_pointers[i] = pool_.payload(table[i]);
+      kernels::KeyRope key_rope;
+      if (config_.key_rope) {
+        // Slot positions lead each page's metadata.
+        page_positions.resize(table.size());
+        for (std::size_t i = 0; i < table.size(); ++i) {
+          page_positions[i] = reinterpret_cast<const std::int32_t*>(pool_.metadata(table[i]));
+        }
+        key_rope = {rope_tables_.view(), page_positions.data(), state.tail_positions.data()};
+      }
       scaled_queries.resize(static_cast<std::size_t>(group) * key_dim_);
       for (std::size_t i = 0; i < scaled_queries.size(); ++i) {
         scaled_queries[i] = q[static_cast<std::size_t>(s) * group * key_dim_ + i] * scale;
@@ -230,7 +242,7 @@ class KVCache {
       kernels::attend_stream<KeyCodec, ValueCodec>(run, key_params_[p], value_params_[p], tail,
                                                    scaled_queries.data(), group,
                                                    out.data() + static_cast<std::size_t>(s) * group * value_dim_,
-                                                   workspace, kernel_set);
+                                                   workspace, kernel_set, config_.key_rope ? &key_rope : nullptr);
     };
     if (config_.executor && streams_ > 1) {
       config_.executor(streams_, attend_stream);
@@ -293,6 +305,7 @@ class KVCache {
     usage.tails = tail_bytes_.load(std::memory_order_relaxed);
     usage.tables = table_bytes_.load(std::memory_order_relaxed);
     usage.codec_params = codec_param_bytes();
+    usage.rope_tables = rope_tables_.bytes();
     usage.stored_elements = stored_elements_.load(std::memory_order_relaxed);
     return usage;
   }
@@ -326,7 +339,8 @@ class KVCache {
   [[nodiscard]] const paging::PagePool& pool() const noexcept { return pool_; }
 
   /// What one stream of a layer holds, decoded: the tokens a policy kept (live slots of every
-  /// page, then the tail), in token order, as the attention kernels see them. For evaluation and
+  /// page, then the tail), in token order, as the attention kernels see them (pre-RoPE keys
+  /// rotated to their positions). For evaluation and
   /// debugging (eval/ computes attention distributions from it); it allocates and runs the
   /// codecs' scalar decoders, so it is not for the decode loop.
   [[nodiscard]] StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const {
@@ -368,6 +382,12 @@ class KVCache {
                             state.tail_positions.begin() + state.tail_count);
     stored.keys.insert(stored.keys.end(), tail_k, tail_k + static_cast<std::size_t>(state.tail_count) * key_dim_);
     stored.values.insert(stored.values.end(), tail_v, tail_v + static_cast<std::size_t>(state.tail_count) * value_dim_);
+    if (config_.key_rope) {
+      for (index_t i = 0; i < stored.size(); ++i) {
+        apply_rope_reference(*config_.key_rope, key_dim_, stored.positions[i],
+                             stored.keys.data() + static_cast<std::size_t>(i) * key_dim_);
+      }
+    }
     return stored;
   }
 
@@ -394,6 +414,15 @@ class KVCache {
   static index_t validated_streams(const Layout& layout, const ModelShape& shape) {
     layout.validate(shape);
     return layout.streams(shape);
+  }
+
+  /// The largest position a token may have: int32 (slot metadata), or the RoPE tables' reach.
+  [[nodiscard]] std::int64_t max_position() const noexcept {
+    return config_.key_rope ? rope_tables_.max_position() : std::numeric_limits<std::int32_t>::max();
+  }
+  [[nodiscard]] const char* max_position_reason() const noexcept {
+    return config_.key_rope ? " (CacheConfig.key_rope.max_position; raise it for longer contexts)"
+                            : " (the int32 range pages store)";
   }
 
   [[nodiscard]] quant::PageGeometry key_geometry() const noexcept { return {config_.page_size, key_dim_}; }
@@ -700,6 +729,7 @@ class KVCache {
   index_t key_dim_;
   index_t value_dim_;
   mutable paging::PagePool pool_;
+  RopeTables rope_tables_;  ///< empty unless config_.key_rope
 
   std::vector<KeyParams> key_params_;      ///< [layers][streams]
   std::vector<ValueParams> value_params_;  ///< [layers][streams]

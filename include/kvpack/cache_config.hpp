@@ -5,8 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
+#include "kvpack/core/rope.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/paging/page_pool.hpp"
 
@@ -32,6 +34,10 @@ struct CacheConfig {
   bool check_inputs = true;
   /// Spreads `attend` over KV streams; empty means serial.
   Executor executor{};
+  /// Set: keys are passed to prefill/append *before* RoPE, stored that way (per-channel key
+  /// statistics stay stable: KVQuant), and rotated to each slot's stored position whenever they
+  /// are read; queries are still passed after RoPE. Unset: keys are stored as given.
+  std::optional<RopeSpec> key_rope{};
 
   void validate() const {
     KVPACK_CHECK(page_size >= 16 && page_size <= 256 && page_size % 16 == 0, kInvalidConfig,
@@ -51,13 +57,14 @@ struct MemoryUsage {
   std::size_t tails = 0;          ///< full-precision tail buffers, as allocated
   std::size_t tables = 0;         ///< block tables, as allocated
   std::size_t codec_params = 0;   ///< per (layer, KV head) codec parameters (FP8 scales)
+  std::size_t rope_tables = 0;    ///< cos/sin tables of pre-RoPE key storage (fixed per cache)
   std::size_t pages_in_use = 0;
   /// K and V elements held, summed over sequences, layers and streams (a forked sequence counts
   /// its shared tokens again): the denominator of bits per element.
   std::size_t stored_elements = 0;
 
   [[nodiscard]] std::size_t total() const noexcept {
-    return page_payload + page_metadata + tails + tables + codec_params;
+    return page_payload + page_metadata + tails + tables + codec_params + rope_tables;
   }
   /// All bytes, metadata, tails and tables included, per stored element.
   [[nodiscard]] double bits_per_element() const noexcept {

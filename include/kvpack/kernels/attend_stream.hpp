@@ -22,6 +22,13 @@ struct TailView {
   index_t count = 0;
 };
 
+/// Keys stored before RoPE (CacheConfig::key_rope): what attend_stream needs to rotate them.
+struct KeyRope {
+  RopeView rope;
+  const std::int32_t* const* page_positions = nullptr;  ///< [pages.count][page_size]
+  const std::int32_t* tail_positions = nullptr;         ///< [tail.count]
+};
+
 /// Buffers for attend_stream, reused across calls: grows to the largest shape seen, never
 /// shrinks, so steady-state decoding allocates nothing.
 class Workspace {
@@ -32,9 +39,11 @@ class Workspace {
 
   void prepare(index_t group, index_t head_dim, index_t page_size, index_t tail_tokens) {
     score_stride_ = std::max({kChunkTokens, page_size, tail_tokens});
+    // The scratch also holds a pre-RoPE tail rotated, [tail_tokens][head_dim].
+    const std::size_t scratch = std::max(scratch_floats(group, page_size, head_dim),
+                                         static_cast<std::size_t>(tail_tokens) * head_dim);
     const std::size_t need = static_cast<std::size_t>(group) * score_stride_ +
-                             static_cast<std::size_t>(group) * (2 + head_dim) +
-                             scratch_floats(group, page_size, head_dim) + 64;
+                             static_cast<std::size_t>(group) * (2 + head_dim) + scratch + 64;
     if (storage_.size() < need) storage_.resize(need);
     float* p = storage_.data();
     scores_ = p;
@@ -72,34 +81,46 @@ struct KernelSet {
   dispatch::CpuFunction<cpu::SoftmaxUpdate> softmax;
   dispatch::CpuFunction<cpu::ScoreRows> score_rows;
   dispatch::CpuFunction<RowValues> accumulate_rows;
+  dispatch::CpuFunction<cpu::ScoreRotatedKeys<KeyCodec>> score_rotated;
+  dispatch::CpuFunction<cpu::ScoreRotatedRows> score_rotated_rows;
 
   /// The kernels dispatch selects for this CPU (or KVPACK_ISA).
   static KernelSet selected() {
     return {dispatch::cpu_kernel<cpu::ScoreKeys<KeyCodec>>(),
             dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>(),
-            dispatch::cpu_kernel<cpu::SoftmaxUpdate>(), dispatch::cpu_kernel<cpu::ScoreRows>(),
-            dispatch::cpu_kernel<RowValues>()};
+            dispatch::cpu_kernel<cpu::SoftmaxUpdate>(),
+            dispatch::cpu_kernel<cpu::ScoreRows>(),
+            dispatch::cpu_kernel<RowValues>(),
+            dispatch::cpu_kernel<cpu::ScoreRotatedKeys<KeyCodec>>(),
+            dispatch::cpu_kernel<cpu::ScoreRotatedRows>()};
   }
-  /// The kernels compiled for `Arch` (see dispatch::cpu_kernel_for for when that is allowed).
+  /// The kernels compiled for `Arch` (see dispatch::cpu_kernel_for for when that is allowed);
+  /// the pre-RoPE key kernel only where it is precompiled (nullptr otherwise).
   template <class Arch>
   static KernelSet for_arch() noexcept {
+    using Rotated = cpu::ScoreRotatedKeys<KeyCodec>;
+    dispatch::CpuFunction<Rotated> rotated = nullptr;
+    if constexpr (cpu::is_precompiled<Rotated>::value) rotated = dispatch::cpu_kernel_for<Rotated, Arch>();
     return {dispatch::cpu_kernel_for<cpu::ScoreKeys<KeyCodec>, Arch>(),
             dispatch::cpu_kernel_for<cpu::AccumulateValues<ValueCodec>, Arch>(),
             dispatch::cpu_kernel_for<cpu::SoftmaxUpdate, Arch>(),
             dispatch::cpu_kernel_for<cpu::ScoreRows, Arch>(),
-            dispatch::cpu_kernel_for<RowValues, Arch>()};
+            dispatch::cpu_kernel_for<RowValues, Arch>(),
+            rotated,
+            dispatch::cpu_kernel_for<cpu::ScoreRotatedRows, Arch>()};
   }
 };
 
 /// out[h] = softmax(q[h] · K) V over every live slot of `pages` (its `count` is the whole
 /// stream) and every row of `tail`. `queries` already carry the softmax scale. The workspace
-/// must have been prepared for (group, head_dim, page_size, tail.count).
+/// must have been prepared for (group, head_dim, page_size, tail.count). With `key_rope`, keys
+/// (pages and tail) were stored before RoPE and are rotated to their positions as they are read.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& key_params,
                    const typename ValueCodec::params_type& value_params, const TailView& tail,
                    const float* queries /*[group][head_dim]*/, index_t group,
                    float* out /*[group][head_dim]*/, const Workspace& ws,
-                   const KernelSet<KeyCodec, ValueCodec>& kernels) noexcept {
+                   const KernelSet<KeyCodec, ValueCodec>& kernels, const KeyRope* key_rope = nullptr) noexcept {
   const index_t head_dim = pages.head_dim;
   std::fill_n(ws.running_max(), group, -std::numeric_limits<float>::infinity());
   std::fill_n(ws.running_sum(), group, 0.0f);
@@ -118,7 +139,13 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
     run.live = pages.live != nullptr ? pages.live + first : nullptr;
     run.count = std::min(chunk_pages, pages.count - first);
     run.prefetch = pages.count - first - run.count;
-    score({run, key_params, queries, group, ws.scores(), ws.score_stride(), ws.scratch()});
+    const ScoreArgs<typename KeyCodec::params_type> score_args{run,         key_params,        queries,    group,
+                                                               ws.scores(), ws.score_stride(), ws.scratch()};
+    if (key_rope != nullptr) {
+      kernels.score_rotated({score_args, key_rope->page_positions + first, key_rope->rope});
+    } else {
+      score(score_args);
+    }
     SoftmaxArgs step = softmax_base;
     step.count = run.count * run.page_size;
     softmax(step);
@@ -126,8 +153,12 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
   }
 
   if (tail.count > 0) {
-    kernels.score_rows(
-        {tail.keys, tail.count, head_dim, head_dim, queries, group, ws.scores(), ws.score_stride()});
+    const RowScoreArgs tail_rows{tail.keys, tail.count, head_dim, head_dim, queries, group, ws.scores(), ws.score_stride()};
+    if (key_rope != nullptr) {
+      kernels.score_rotated_rows({tail_rows, key_rope->tail_positions, key_rope->rope, ws.scratch()});
+    } else {
+      kernels.score_rows(tail_rows);
+    }
     SoftmaxArgs step = softmax_base;
     step.count = tail.count;
     softmax(step);

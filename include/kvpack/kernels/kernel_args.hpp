@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvpack/core/rope.hpp"
 #include "kvpack/core/types.hpp"
 
 namespace kvpack::inline v0::kernels {
@@ -75,6 +76,23 @@ struct RowScoreArgs {
   index_t score_stride = 0;
 };
 
+/// Arguments of a key kernel for keys stored before RoPE: each slot is rotated to its stored
+/// position before it is scored.
+template <class Params>
+struct RotatedScoreArgs {
+  ScoreArgs<Params> score;
+  const std::int32_t* const* positions = nullptr;  ///< [count] per page: page_size slot positions
+  RopeView rope;
+};
+
+/// Arguments of the row kernel for pre-RoPE tail rows.
+struct RotatedRowScoreArgs {
+  RowScoreArgs rows;
+  const std::int32_t* positions = nullptr;  ///< [count]
+  RopeView rope;
+  float* scratch = nullptr;                 ///< [count][head_dim]
+};
+
 /// Scratch floats every key and value kernel may use for one call (per-page staging of scales,
 /// weights and the prepared query, or one page decoded to fp32), generously bounded so callers
 /// size one buffer for all codecs.
@@ -83,8 +101,9 @@ struct RowScoreArgs {
   const std::size_t blocks = static_cast<std::size_t>(head_dim) / 32 + 1;
   const std::size_t staging = 4 * static_cast<std::size_t>(group) * (head_dim + page_size * blocks + blocks) +
                               4 * static_cast<std::size_t>(page_size) * blocks + 256;
-  // One page decoded to fp32, plus [group][max(page_size, head_dim)] for its reordering.
-  const std::size_t page_tile = static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) +
+  // Two pages decoded to fp32 (a pre-RoPE key page and its rotation), plus
+  // [group][max(page_size, head_dim)] for their reordering.
+  const std::size_t page_tile = 2 * static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) +
                                 static_cast<std::size_t>(group) * static_cast<std::size_t>(page_size + head_dim);
   return staging > page_tile ? staging : page_tile;
 }

@@ -14,12 +14,20 @@
 
 namespace kvpack::inline v0::kernels::reference {
 
-/// Same contract as kernels::attend_stream, computed exactly (up to the decoded values).
+/// Keys stored before RoPE: the spec and every slot's position (see kernels::KeyRope).
+struct ReferenceRope {
+  RopeSpec spec;
+  const std::int32_t* const* page_positions = nullptr;  ///< [pages.count][page_size]
+  const std::int32_t* tail_positions = nullptr;         ///< [tail.count]
+};
+
+/// Same contract as kernels::attend_stream, computed exactly (up to the decoded values; pre-RoPE
+/// keys are rotated in double precision).
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 void attend_stream(const KeyCodec& key_codec, const ValueCodec& value_codec, const PageRun& pages,
                    const typename KeyCodec::params_type& key_params,
                    const typename ValueCodec::params_type& value_params, const TailView& tail,
-                   const float* queries, index_t group, float* out) {
+                   const float* queries, index_t group, float* out, const ReferenceRope* rope = nullptr) {
   const index_t d = pages.head_dim;
   const quant::PageGeometry geometry{pages.page_size, d};
   std::vector<float> keys(static_cast<std::size_t>(pages.page_size) * d);
@@ -29,7 +37,13 @@ void attend_stream(const KeyCodec& key_codec, const ValueCodec& value_codec, con
   std::vector<std::vector<float>> decoded_values;
   decoded_values.reserve(pages.count);
 
-  auto add_token = [&](const float* k, const float* v) {
+  std::vector<float> rotated(static_cast<std::size_t>(d));
+  auto add_token = [&](const float* k, const float* v, std::int32_t position) {
+    if (rope != nullptr) {
+      rotated.assign(k, k + d);
+      apply_rope_reference(rope->spec, d, position, rotated.data());
+      k = rotated.data();
+    }
     for (index_t h = 0; h < group; ++h) {
       double s = 0.0;
       for (index_t c = 0; c < d; ++c) s += static_cast<double>(queries[h * d + c]) * k[c];
@@ -46,11 +60,13 @@ void attend_stream(const KeyCodec& key_codec, const ValueCodec& value_codec, con
       const std::uint64_t* live = pages.live != nullptr ? pages.live[i] : nullptr;
       if (live != nullptr && !((live[t / 64] >> (t % 64)) & 1u)) continue;
       add_token(keys.data() + static_cast<std::size_t>(t) * d,
-                decoded_values.back().data() + static_cast<std::size_t>(t) * d);
+                decoded_values.back().data() + static_cast<std::size_t>(t) * d,
+                rope != nullptr ? rope->page_positions[i][t] : 0);
     }
   }
   for (index_t t = 0; t < tail.count; ++t) {
-    add_token(tail.keys + static_cast<std::size_t>(t) * d, tail.values + static_cast<std::size_t>(t) * d);
+    add_token(tail.keys + static_cast<std::size_t>(t) * d, tail.values + static_cast<std::size_t>(t) * d,
+              rope != nullptr ? rope->tail_positions[t] : 0);
   }
 
   for (index_t h = 0; h < group; ++h) {

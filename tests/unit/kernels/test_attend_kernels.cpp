@@ -41,6 +41,8 @@ struct StreamFixture {
   std::vector<std::vector<std::uint64_t>> masks;
   std::vector<const std::uint64_t*> mask_pointers;
   std::vector<float> tail_keys, tail_values;
+  std::vector<std::vector<std::int32_t>> positions;  // [pages][page_size] then the tail's, for pre-RoPE keys
+  std::vector<const std::int32_t*> position_pointers;
   typename KeyCodec::params_type key_params{};
   typename ValueCodec::params_type value_params{};
 
@@ -78,6 +80,22 @@ struct StreamFixture {
     for (auto& m : masks) mask_pointers.push_back(m.data());
   }
 
+  /// Increasing positions with gaps, reaching past `first` + 10^5 (both parts of the RoPE tables).
+  void assign_positions(std::int32_t first, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::int32_t next = first;
+    positions.assign(pages.size() + 1, {});
+    for (std::size_t i = 0; i <= pages.size(); ++i) {
+      const std::size_t count = i < pages.size() ? geometry.page_size : tail_keys.size() / geometry.head_dim;
+      for (std::size_t t = 0; t < count; ++t) {
+        positions[i].push_back(next);
+        next += 1 + static_cast<std::int32_t>(rng() % 4 == 0 ? rng() % 5000 : 0);
+      }
+    }
+    position_pointers.clear();
+    for (auto& p : positions) position_pointers.push_back(p.data());
+  }
+
   [[nodiscard]] kernels::PageRun run() const {
     return {pages.data(), mask_pointers.empty() ? nullptr : mask_pointers.data(),
             static_cast<index_t>(pages.size()), 0, geometry.page_size, geometry.head_dim,
@@ -92,7 +110,8 @@ struct StreamFixture {
 
 /// The largest bound of support/error_bound.hpp over the group's heads.
 template <class Fixture>
-double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool vnni_path) {
+double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool vnni_path,
+                   const RopeSpec* rope) {
   const index_t d = f.geometry.head_dim;
   const index_t P = f.geometry.page_size;
   test::DecodedTokens tokens;
@@ -107,20 +126,39 @@ double error_bound(const Fixture& f, const std::vector<float>& queries, index_t 
     for (index_t t = 0; t < P; ++t) {
       if (!f.masks.empty() && !((f.masks[i][t / 64] >> (t % 64)) & 1u)) continue;
       tokens.keys.emplace_back(&k[t * d], &k[t * d] + d);
+      if (rope != nullptr) apply_rope_reference(*rope, d, f.positions[i][t], tokens.keys.back().data());
       tokens.values.emplace_back(&v[t * d], &v[t * d] + d);
       tokens.page_of.push_back(static_cast<int>(i));
     }
   }
   for (std::size_t t = 0; t < f.tail_keys.size() / d; ++t) {
     tokens.keys.emplace_back(&f.tail_keys[t * d], &f.tail_keys[t * d] + d);
+    if (rope != nullptr) apply_rope_reference(*rope, d, f.positions.back()[t], tokens.keys.back().data());
     tokens.values.emplace_back(&f.tail_values[t * d], &f.tail_values[t * d] + d);
     tokens.page_of.push_back(-1);
   }
   double worst = 0.0;
   for (index_t h = 0; h < group; ++h) {
-    worst = std::max(worst, test::attention_error_bound(tokens, &queries[static_cast<std::size_t>(h) * d], d, 1.0,
-                                                        test::operands<typename Fixture::KeyCodec>(vnni_path),
-                                                        test::operands<typename Fixture::ValueCodec>(vnni_path)));
+    const float* q = &queries[static_cast<std::size_t>(h) * d];
+    double bound = test::attention_error_bound(tokens, q, d, 1.0, test::operands<typename Fixture::KeyCodec>(vnni_path),
+                                               test::operands<typename Fixture::ValueCodec>(vnni_path));
+    if (rope != nullptr) {
+      // The float rotation: cos and sin from two rounded table entries (a few ulps), times the
+      // pair, moves each score by at most δ = Σ_c |q_c| · 16 ulp · (|k_c| + |k_partner|);
+      // normalised weights then move by a factor within e^{±2δ}.
+      double delta = 0.0, max_value = 0.0;
+      for (std::size_t t = 0; t < tokens.keys.size(); ++t) {
+        double token_delta = 0.0;
+        for (index_t c = 0; c < d; ++c) {
+          const double pair = std::fabs(tokens.keys[t][c]) + std::fabs(tokens.keys[t][rope_partner(c, d, rope->pairing)]);
+          token_delta += std::fabs(q[c]) * 16.0 * std::ldexp(1.0, -24) * pair;
+        }
+        delta = std::max(delta, token_delta);
+        for (float x : tokens.values[t]) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
+      }
+      bound += 2.0 * std::expm1(2.0 * delta) * max_value;
+    }
+    worst = std::max(worst, bound);
   }
   return worst;
 }
@@ -128,14 +166,20 @@ double error_bound(const Fixture& f, const std::vector<float>& queries, index_t 
 template <class Quantizer>
 void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, index_t tail_count,
                     index_t group, std::vector<float> keys, std::vector<float> values,
-                    std::vector<float> queries, bool dead_slots) {
+                    std::vector<float> queries, bool dead_slots, const RopeSpec* rope = nullptr) {
   using KeyCodec = typename Quantizer::key_codec;
   using ValueCodec = typename Quantizer::value_codec;
   StreamFixture<Quantizer> f(page_size, head_dim, page_count, tail_count, keys, values);
   if (dead_slots && page_count > 0) f.kill_some_slots(7);
+  f.assign_positions(rope != nullptr ? 12345 : 0, 8);
+  const kernels::reference::ReferenceRope reference_rope{rope != nullptr ? *rope : RopeSpec{},
+                                                         f.position_pointers.data(), f.positions.back().data()};
+  const RopeTables tables = rope != nullptr ? RopeTables(*rope, head_dim) : RopeTables();
+  const kernels::KeyRope key_rope{tables.view(), f.position_pointers.data(), f.positions.back().data()};
   std::vector<float> expected(static_cast<std::size_t>(group) * head_dim);
-  kernels::reference::attend_stream(f.quantizer.key, f.quantizer.value, f.run(), f.key_params,
-                                    f.value_params, f.tail(), queries.data(), group, expected.data());
+  kernels::reference::attend_stream(f.quantizer.key, f.quantizer.value, f.run(), f.key_params, f.value_params,
+                                    f.tail(), queries.data(), group, expected.data(),
+                                    rope != nullptr ? &reference_rope : nullptr);
   kernels::Workspace workspace;
   workspace.prepare(group, head_dim, page_size, tail_count);
   int isas = 0;
@@ -145,12 +189,14 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
     ++isas;
     const auto kernel_set = kernels::KernelSet<KeyCodec, ValueCodec>::template for_arch<Arch>();
     std::vector<float> out(expected.size(), -1.0f);
-    kernels::attend_stream<KeyCodec, ValueCodec>(f.run(), f.key_params, f.value_params, f.tail(),
-                                                 queries.data(), group, out.data(), workspace, kernel_set);
+    kernels::attend_stream<KeyCodec, ValueCodec>(f.run(), f.key_params, f.value_params, f.tail(), queries.data(),
+                                                 group, out.data(), workspace, kernel_set,
+                                                 rope != nullptr ? &key_rope : nullptr);
     const bool vnni_path = std::is_same_v<Arch, xsimd::avx512bw>;
-    const double bound = error_bound(f, queries, group, vnni_path);
+    const double bound = error_bound(f, queries, group, vnni_path, rope);
     DYNAMIC_SECTION("isa " << kernels::cpu::isa_name<Arch>() << " P=" << page_size << " d=" << head_dim
-                           << " pages=" << page_count << " tail=" << tail_count << " g=" << group) {
+                           << " pages=" << page_count << " tail=" << tail_count << " g=" << group
+                           << (rope != nullptr ? " pre-RoPE keys" : "")) {
       for (std::size_t i = 0; i < out.size(); ++i) {
         if (!std::isfinite(expected[i])) {
           // Which non-finite value comes out can differ: a weight that underflows to 0 in fp32
@@ -254,6 +300,28 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
     for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true);
+  }
+}
+
+TEMPLATE_TEST_CASE("every ISA rotates pre-RoPE keys like the double-precision reference", "[kernels][cpu][rope]",
+                   quant::Float<float>, quant::Float<half>) {
+  struct Case {
+    index_t page_size, head_dim, pages, tail, group;
+  };
+  // Vector paths (head_dim a multiple of the width, both pairings) and the scalar one (8, 24).
+  const Case cases[] = {{32, 128, 6, 9, 4}, {16, 64, 4, 0, 2}, {16, 8, 3, 5, 2}, {16, 24, 2, 7, 1}};
+  for (RopePairing pairing : {RopePairing::kAdjacent, RopePairing::kHalfSplit}) {
+    RopeSpec rope;
+    rope.theta = 500000.0;
+    rope.pairing = pairing;
+    for (const Case& c : cases) {
+      const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
+      auto queries = test::random_rows(c.group, c.head_dim, 73, 4, 3.0f);
+      for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
+      check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group,
+                               test::random_rows(rows, c.head_dim, 71, 4, 10.0f), test::random_rows(rows, c.head_dim, 72),
+                               queries, c.pages > 2, &rope);
+    }
   }
 }
 

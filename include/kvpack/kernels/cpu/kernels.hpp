@@ -42,4 +42,19 @@ struct ScoreRows {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
+/// scores = q · RoPE(k, position) for keys stored before RoPE (CacheConfig::key_rope).
+template <class KeyCodec>
+struct ScoreRotatedKeys {
+  using args_type = RotatedScoreArgs<typename KeyCodec::params_type>;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
+/// Scores of full-precision pre-RoPE rows (the tail of a pre-RoPE stream).
+struct ScoreRotatedRows {
+  using args_type = RotatedRowScoreArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -6,6 +6,7 @@
 #include "kvpack/kernels/cpu/integer.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
 #include "kvpack/kernels/cpu/q4_0.hpp"
+#include "kvpack/kernels/cpu/rope.hpp"
 #include "kvpack/kernels/cpu/kernels.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
 
@@ -31,6 +32,17 @@ void SoftmaxUpdate::operator()(Arch arch, const args_type& args) const noexcept 
 template <class Arch>
 void ScoreRows::operator()(Arch arch, const args_type& args) const noexcept {
   score_rows(arch, args);
+}
+
+template <class KeyCodec>
+template <class Arch>
+void ScoreRotatedKeys<KeyCodec>::operator()(Arch arch, const args_type& args) const noexcept {
+  score_rotated_keys(arch, std::type_identity<KeyCodec>{}, args);
+}
+
+template <class Arch>
+void ScoreRotatedRows::operator()(Arch arch, const args_type& args) const noexcept {
+  score_rotated_rows(arch, args);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

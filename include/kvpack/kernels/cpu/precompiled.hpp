@@ -30,6 +30,8 @@ using ScoreKivi2 = ScoreKeys<quant::KiviKeyCodec<2, 32>>;
 using ScoreKivi4 = ScoreKeys<quant::KiviKeyCodec<4, 32>>;
 using ScoreKivi2Token = ScoreKeys<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
 using ScoreKivi4Token = ScoreKeys<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
+using ScoreRotatedF32 = ScoreRotatedKeys<quant::FloatCodec<float, Plane::kKey>>;
+using ScoreRotatedF16 = ScoreRotatedKeys<quant::FloatCodec<half, Plane::kKey>>;
 using AccumulateF32 = AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
 using AccumulateF16 = AccumulateValues<quant::FloatCodec<half, Plane::kValue>>;
 using AccumulateBF16 = AccumulateValues<quant::FloatCodec<bfloat16, Plane::kValue>>;
@@ -53,7 +55,8 @@ using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
   X(precompiled::AccumulateInt8) X(precompiled::AccumulateQ8_0)                           \
   X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
-  X(precompiled::ScoreKivi4Token) X(SoftmaxUpdate) X(ScoreRows)
+  X(precompiled::ScoreKivi4Token) X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
+  X(SoftmaxUpdate) X(ScoreRows) X(ScoreRotatedRows)
 
 namespace kvpack::inline v0::kernels::cpu {
 
