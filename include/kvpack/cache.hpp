@@ -231,13 +231,13 @@ class KVCache {
       for (std::size_t i = 0; i < scaled_queries.size(); ++i) {
         scaled_queries[i] = q[static_cast<std::size_t>(s) * group * key_dim_ + i] * scale;
       }
-      workspace.prepare(group, key_dim_, config_.page_size, state.tail_count);
+      workspace.prepare(group, key_dim_, config_.page_size, state.rows_count());
       const kernels::PageRun run{page_pointers.data(), nullptr, static_cast<index_t>(table.size()), 0,
                                  config_.page_size, key_dim_, value_plane_offset(),
                                  pool_.format().payload_bytes};
       const std::size_t tail_offset = static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
       const kernels::TailView tail{state.tail_keys.data() + tail_offset,
-                                   state.tail_values.data() + tail_offset, state.tail_count};
+                                   state.tail_values.data() + tail_offset, state.rows_count()};
       const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
       kernels::attend_stream<KeyCodec, ValueCodec>(run, key_params_[p], value_params_[p], tail,
                                                    scaled_queries.data(), group,
@@ -379,9 +379,9 @@ class KVCache {
     const float* tail_k = state.tail_keys.data() + static_cast<std::size_t>(stream) * tail_capacity() * key_dim_;
     const float* tail_v = state.tail_values.data() + static_cast<std::size_t>(stream) * tail_capacity() * value_dim_;
     stored.positions.insert(stored.positions.end(), state.tail_positions.begin(),
-                            state.tail_positions.begin() + state.tail_count);
-    stored.keys.insert(stored.keys.end(), tail_k, tail_k + static_cast<std::size_t>(state.tail_count) * key_dim_);
-    stored.values.insert(stored.values.end(), tail_v, tail_v + static_cast<std::size_t>(state.tail_count) * value_dim_);
+                            state.tail_positions.begin() + state.rows_count());
+    stored.keys.insert(stored.keys.end(), tail_k, tail_k + static_cast<std::size_t>(state.rows_count()) * key_dim_);
+    stored.values.insert(stored.values.end(), tail_v, tail_v + static_cast<std::size_t>(state.rows_count()) * value_dim_);
     if (config_.key_rope) {
       for (index_t i = 0; i < stored.size(); ++i) {
         apply_rope_reference(*config_.key_rope, key_dim_, stored.positions[i],
@@ -392,13 +392,18 @@ class KVCache {
   }
 
  private:
-  /// One layer of one sequence.
+  /// One layer of one sequence. Its full-precision rows, per stream: the exact prefix (rows
+  /// [0, prefix_count), never encoded) and the tail (rows [exact_prefix_tokens, … + tail_count),
+  /// encoded a page at a time). Only a full prefix is followed by tail rows, so the rows in use
+  /// are always [0, rows_count()).
   struct LayerState {
     std::vector<std::vector<PageId>> tables;  ///< [streams] block tables, token order
     std::vector<float> tail_keys;             ///< [streams][tail_capacity][key_dim]
     std::vector<float> tail_values;           ///< [streams][tail_capacity][value_dim]
     std::vector<std::int32_t> tail_positions;  ///< [tail_capacity]
+    index_t prefix_count = 0;
     index_t tail_count = 0;
+    [[nodiscard]] index_t rows_count() const noexcept { return prefix_count + tail_count; }
     index_t tokens = 0;
     std::int64_t last_position = -1;
   };
@@ -427,7 +432,10 @@ class KVCache {
 
   [[nodiscard]] quant::PageGeometry key_geometry() const noexcept { return {config_.page_size, key_dim_}; }
   [[nodiscard]] quant::PageGeometry value_geometry() const noexcept { return {config_.page_size, value_dim_}; }
-  [[nodiscard]] index_t tail_capacity() const noexcept { return config_.tail_tokens + config_.page_size; }
+  /// Full-precision rows per stream: the exact prefix, the tail window and a page being filled.
+  [[nodiscard]] index_t tail_capacity() const noexcept {
+    return config_.exact_prefix_tokens + config_.tail_tokens + config_.page_size;
+  }
   [[nodiscard]] std::size_t live_mask_words() const noexcept {
     return static_cast<std::size_t>(config_.page_size + 63) / 64;
   }
@@ -449,7 +457,10 @@ class KVCache {
   [[nodiscard]] std::size_t codec_param_bytes() const noexcept {
     const std::size_t per_stream = (std::is_empty_v<KeyParams> ? 0 : sizeof(KeyParams)) +
                                    (std::is_empty_v<ValueParams> ? 0 : sizeof(ValueParams));
-    return per_stream * key_params_.size();
+    // Quantizers whose params point into tables of their own (KVQuant's calibration) count them.
+    std::size_t tables = 0;
+    if constexpr (requires { quantizer_.table_bytes(); }) tables = quantizer_.table_bytes();
+    return per_stream * key_params_.size() + tables;
   }
 
   Sequence& find(SeqId seq, const char* call) const {
@@ -538,12 +549,18 @@ class KVCache {
   /// Appends `count` tokens (rows of [streams][dim]) at consecutive positions from `first`,
   /// encoding every page the tail overflows into. All checks and allocations happen before the
   /// first change, so a throw leaves the layer untouched.
-  void write_tokens(LayerState& state, index_t layer, std::span<const float> keys,
-                    std::span<const float> values, index_t count, std::int32_t first, const char* call) {
+  void write_tokens(LayerState& state, index_t layer, std::span<const float> all_keys,
+                    std::span<const float> all_values, index_t all_count, std::int32_t all_first, const char* call) {
     if (config_.check_inputs) {
-      check_values(keys, quantizer_.key.max_abs_input(), call, "keys");
-      check_values(values, quantizer_.value.max_abs_input(), call, "values");
+      check_values(all_keys, quantizer_.key.max_abs_input(), call, "keys");
+      check_values(all_values, quantizer_.value.max_abs_input(), call, "values");
     }
+    // The first tokens of the layer fill the exact prefix; the rest go through the tail.
+    const index_t pinned = std::min(config_.exact_prefix_tokens - state.prefix_count, all_count);
+    const std::span<const float> keys = all_keys.subspan(static_cast<std::size_t>(pinned) * streams_ * key_dim_);
+    const std::span<const float> values = all_values.subspan(static_cast<std::size_t>(pinned) * streams_ * value_dim_);
+    const index_t count = all_count - pinned;
+    const std::int32_t first = all_first + pinned;
     const index_t page = config_.page_size;
     const index_t total = state.tail_count + count;
     const index_t new_pages = total >= config_.tail_tokens + page ? (total - config_.tail_tokens) / page : 0;
@@ -551,18 +568,19 @@ class KVCache {
     // Token i of the concatenation [tail rows..., new rows...] of stream s.
     const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
     const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
+    const index_t tail_start = config_.exact_prefix_tokens;  // first tail row of each stream
     auto key_of = [&](index_t s, index_t i) -> const float* {
       return i < state.tail_count
-                 ? state.tail_keys.data() + (static_cast<std::size_t>(s) * tail_capacity() + i) * key_dim_
+                 ? state.tail_keys.data() + (static_cast<std::size_t>(s) * tail_capacity() + tail_start + i) * key_dim_
                  : keys.data() + static_cast<std::size_t>(i - state.tail_count) * key_row + s * key_dim_;
     };
     auto value_of = [&](index_t s, index_t i) -> const float* {
       return i < state.tail_count
-                 ? state.tail_values.data() + (static_cast<std::size_t>(s) * tail_capacity() + i) * value_dim_
+                 ? state.tail_values.data() + (static_cast<std::size_t>(s) * tail_capacity() + tail_start + i) * value_dim_
                  : values.data() + static_cast<std::size_t>(i - state.tail_count) * value_row + s * value_dim_;
     };
     auto position_of = [&](index_t i) -> std::int32_t {
-      return i < state.tail_count ? state.tail_positions[i] : first + (i - state.tail_count);
+      return i < state.tail_count ? state.tail_positions[tail_start + i] : first + (i - state.tail_count);
     };
 
     Calibration calibration;
@@ -604,6 +622,18 @@ class KVCache {
                             std::memory_order_relaxed);
     }
     table_bytes_.fetch_add(table_growth, std::memory_order_relaxed);
+    for (index_t i = 0; i < pinned; ++i) {
+      const index_t row = state.prefix_count + i;
+      for (index_t s = 0; s < streams_; ++s) {
+        std::memcpy(state.tail_keys.data() + (static_cast<std::size_t>(s) * tail_capacity() + row) * key_dim_,
+                    all_keys.data() + static_cast<std::size_t>(i) * key_row + s * key_dim_, key_dim_ * sizeof(float));
+        std::memcpy(state.tail_values.data() + (static_cast<std::size_t>(s) * tail_capacity() + row) * value_dim_,
+                    all_values.data() + static_cast<std::size_t>(i) * value_row + s * value_dim_,
+                    value_dim_ * sizeof(float));
+      }
+      state.tail_positions[row] = all_first + i;
+    }
+    state.prefix_count += pinned;
 
     // 3. Encode full pages from the oldest tokens.
     for (index_t p = 0; p < new_pages; ++p) {
@@ -628,8 +658,8 @@ class KVCache {
     const index_t consumed = new_pages * page;
     const index_t kept_old = std::max<index_t>(0, state.tail_count - consumed);
     for (index_t s = 0; s < streams_; ++s) {
-      float* tail_k = state.tail_keys.data() + static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
-      float* tail_v = state.tail_values.data() + static_cast<std::size_t>(s) * tail_capacity() * value_dim_;
+      float* tail_k = state.tail_keys.data() + (static_cast<std::size_t>(s) * tail_capacity() + tail_start) * key_dim_;
+      float* tail_v = state.tail_values.data() + (static_cast<std::size_t>(s) * tail_capacity() + tail_start) * value_dim_;
       if (kept_old > 0 && consumed > 0) {
         std::memmove(tail_k, tail_k + static_cast<std::size_t>(consumed) * key_dim_,
                      static_cast<std::size_t>(kept_old) * key_dim_ * sizeof(float));
@@ -642,17 +672,15 @@ class KVCache {
         std::memcpy(tail_v + static_cast<std::size_t>(row) * value_dim_, value_of(s, i), value_dim_ * sizeof(float));
       }
     }
+    std::int32_t* tail_positions = state.tail_positions.data() + tail_start;
     if (kept_old > 0 && consumed > 0) {
-      std::memmove(state.tail_positions.data(), state.tail_positions.data() + consumed,
-                   static_cast<std::size_t>(kept_old) * sizeof(std::int32_t));
+      std::memmove(tail_positions, tail_positions + consumed, static_cast<std::size_t>(kept_old) * sizeof(std::int32_t));
     }
-    for (index_t i = std::max(consumed, state.tail_count); i < total; ++i) {
-      state.tail_positions[i - consumed] = position_of(i);
-    }
+    for (index_t i = std::max(consumed, state.tail_count); i < total; ++i) tail_positions[i - consumed] = position_of(i);
     state.tail_count = total - consumed;
-    state.tokens += count;
-    state.last_position = static_cast<std::int64_t>(first) + count - 1;
-    stored_elements_.fetch_add(static_cast<std::size_t>(count) * streams_ * (key_dim_ + value_dim_),
+    state.tokens += all_count;
+    state.last_position = static_cast<std::int64_t>(all_first) + all_count - 1;
+    stored_elements_.fetch_add(static_cast<std::size_t>(all_count) * streams_ * (key_dim_ + value_dim_),
                                std::memory_order_relaxed);
   }
 

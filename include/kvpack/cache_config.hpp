@@ -26,6 +26,9 @@ struct CacheConfig {
   /// Newest tokens kept in full precision (fp32) before being encoded: a multiple of page_size,
   /// 0 allowed. The tail also holds up to page_size - 1 tokens that do not yet fill a page.
   index_t tail_tokens = 0;
+  /// The first tokens of every layer of a sequence, kept in full precision (fp32) and never
+  /// encoded or evicted: attention sinks. KVQuant keeps 1 exact; StreamingLLM keeps 4.
+  index_t exact_prefix_tokens = 0;
   /// The most pages the pool hands out at once; beyond it writes throw kvpack::OutOfPages.
   std::size_t max_pages = paging::PagePool::kUnlimited;
   /// Reject NaN/Inf (and magnitudes the codec cannot store) in keys, values and queries with
@@ -47,6 +50,8 @@ struct CacheConfig {
                  detail::message("CacheConfig.tail_tokens must be a non-negative multiple of "
                                  "page_size (", page_size, "), got ", tail_tokens));
     KVPACK_CHECK(max_pages > 0, kInvalidConfig, "CacheConfig.max_pages must be at least 1");
+    KVPACK_CHECK(exact_prefix_tokens >= 0 && exact_prefix_tokens <= 4096, kInvalidConfig,
+                 detail::message("CacheConfig.exact_prefix_tokens must be in [0, 4096], got ", exact_prefix_tokens));
   }
 };
 
@@ -54,9 +59,9 @@ struct CacheConfig {
 struct MemoryUsage {
   std::size_t page_payload = 0;   ///< encoded K and V planes of pages in use (codec metadata too)
   std::size_t page_metadata = 0;  ///< per-slot positions, live masks, selector summaries
-  std::size_t tails = 0;          ///< full-precision tail buffers, as allocated
+  std::size_t tails = 0;          ///< full-precision tail and exact-prefix buffers, as allocated
   std::size_t tables = 0;         ///< block tables, as allocated
-  std::size_t codec_params = 0;   ///< per (layer, KV head) codec parameters (FP8 scales)
+  std::size_t codec_params = 0;   ///< codec parameters: FP8 scales, KVQuant's calibration tables
   std::size_t rope_tables = 0;    ///< cos/sin tables of pre-RoPE key storage (fixed per cache)
   std::size_t pages_in_use = 0;
   /// K and V elements held, summed over sequences, layers and streams (a forked sequence counts

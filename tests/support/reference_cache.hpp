@@ -1,15 +1,20 @@
 #pragma once
 // A plain model of a KV cache for tests: every key and value kept in std::vector, attention
-// computed naively in double. It knows which tokens the real cache has encoded (all but the tail:
-// floor((n - tail_tokens) / page_size) whole pages once n >= tail_tokens + page_size) and passes
-// those through the codec's scalar encode/decode, so the real cache can be held to the tight
-// bound of its kernels rather than to the codec's quantization error.
+// computed naively in double. It knows which tokens the real cache has encoded (all but the exact
+// prefix and the tail: after the first `exact_prefix` tokens, floor((n' - tail_tokens) /
+// page_size) whole pages of the n' others once n' >= tail_tokens + page_size) and passes those
+// through the codec's scalar encode/decode, so the real cache can be held to the tight bound of
+// its kernels rather than to the codec's quantization error. Pre-RoPE keys (a RopeSpec) are
+// rotated to their positions in double after the round trip.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <vector>
 
+#include "kvpack/core/rope.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 #include "support/error_bound.hpp"
@@ -22,13 +27,16 @@ class ReferenceCache {
   struct Layer {
     std::vector<float> keys;    // [n][streams][d]
     std::vector<float> values;  // [n][streams][d]
+    std::vector<std::int64_t> positions;  // [n]
     std::int64_t last_position = -1;
     [[nodiscard]] index_t tokens(index_t row) const { return static_cast<index_t>(keys.size() / row); }
   };
   using Sequence = std::vector<Layer>;
 
-  ReferenceCache(ModelShape shape, index_t page_size, index_t tail_tokens)
-      : shape_(shape), page_size_(page_size), tail_tokens_(tail_tokens) {}
+  ReferenceCache(ModelShape shape, index_t page_size, index_t tail_tokens, index_t exact_prefix = 0,
+                 std::optional<RopeSpec> key_rope = {})
+      : shape_(shape), page_size_(page_size), tail_tokens_(tail_tokens), exact_prefix_(exact_prefix),
+        key_rope_(key_rope) {}
 
   void add(SeqId id) { sequences_[id] = Sequence(static_cast<std::size_t>(shape_.layers)); }
   void fork(SeqId from, SeqId to) { sequences_[to] = sequences_.at(from); }
@@ -36,11 +44,14 @@ class ReferenceCache {
   [[nodiscard]] bool has(SeqId id) const { return sequences_.count(id) != 0; }
   [[nodiscard]] const std::map<SeqId, Sequence>& sequences() const { return sequences_; }
 
+  /// Tokens at consecutive positions ending at `last_position`.
   void write(SeqId id, index_t layer, const std::vector<float>& keys, const std::vector<float>& values,
              std::int64_t last_position) {
     Layer& l = sequences_.at(id)[layer];
     l.keys.insert(l.keys.end(), keys.begin(), keys.end());
     l.values.insert(l.values.end(), values.begin(), values.end());
+    const auto tokens = static_cast<std::int64_t>(keys.size() / row());
+    for (std::int64_t t = 0; t < tokens; ++t) l.positions.push_back(last_position - tokens + 1 + t);
     l.last_position = last_position;
   }
 
@@ -48,6 +59,7 @@ class ReferenceCache {
   [[nodiscard]] index_t tokens(SeqId id, index_t layer) const { return sequences_.at(id)[layer].tokens(row()); }
   /// Pages the real cache must hold for a stream of n tokens.
   [[nodiscard]] index_t pages_for(index_t n) const {
+    n = std::max<index_t>(0, n - exact_prefix_);
     return n >= tail_tokens_ + page_size_ ? (n - tail_tokens_) / page_size_ : 0;
   }
 
@@ -63,7 +75,8 @@ class ReferenceCache {
     const Layer& l = sequences_.at(id)[layer];
     const index_t d = shape_.head_dim;
     const index_t n = l.tokens(row());
-    const index_t paged = pages_for(n) * page_size_;
+    const index_t first_paged = std::min(n, exact_prefix_);
+    const index_t paged_end = first_paged + pages_for(n) * page_size_;
     const index_t g = shape_.group_size();
     std::vector<double> out(static_cast<std::size_t>(shape_.q_heads) * d, 0.0);
     const quant::PageGeometry geometry{page_size_, d};
@@ -80,7 +93,7 @@ class ReferenceCache {
       std::vector<std::byte> key_plane(q.key.plane_bytes(geometry)), value_plane(q.value.plane_bytes(geometry));
       DecodedTokens tokens;
       tokens.page_size = page_size_;
-      for (index_t first = 0; first < paged; first += page_size_) {
+      for (index_t first = first_paged; first < paged_end; first += page_size_) {
         q.key.encode(geometry, &keys[first * d], d, key_params, key_plane.data());
         q.key.decode(geometry, key_plane.data(), key_params, &keys[first * d]);
         q.value.encode(geometry, &values[first * d], d, value_params, value_plane.data());
@@ -89,11 +102,14 @@ class ReferenceCache {
         for (index_t i = first * d; i < (first + page_size_) * d; ++i) page_max = std::max(page_max, static_cast<double>(std::fabs(values[i])));
         tokens.page_max_value.push_back(page_max);
       }
+      if (key_rope_) {
+        for (index_t t = 0; t < n; ++t) apply_rope_reference(*key_rope_, d, l.positions[t], &keys[t * d]);
+      }
       if (bounds != nullptr) {
         for (index_t t = 0; t < n; ++t) {
           tokens.keys.emplace_back(&keys[t * d], &keys[t * d] + d);
           tokens.values.emplace_back(&values[t * d], &values[t * d] + d);
-          tokens.page_of.push_back(t < paged ? t / page_size_ : -1);
+          tokens.page_of.push_back(t >= first_paged && t < paged_end ? (t - first_paged) / page_size_ : -1);
         }
         bounds->resize(static_cast<std::size_t>(shape_.q_heads));
         for (index_t h = s * g; h < (s + 1) * g; ++h) {
@@ -125,6 +141,8 @@ class ReferenceCache {
   ModelShape shape_;
   index_t page_size_;
   index_t tail_tokens_;
+  index_t exact_prefix_;
+  std::optional<RopeSpec> key_rope_;
   std::map<SeqId, Sequence> sequences_;
 };
 

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <set>
 #include <vector>
@@ -29,14 +30,23 @@ std::set<PageId> all_pages(const Cache& cache, const std::vector<SeqId>& live, i
   return pages;
 }
 
+/// What a run varies besides the quantizer: the exact prefix (sinks) and pre-RoPE key storage.
+struct Options {
+  index_t exact_prefix = 0;
+  std::optional<RopeSpec> key_rope{};
+};
+
 template <class Quantizer>
-void run_random_operations(index_t tail_tokens, std::uint32_t seed, index_t page_size = 16) {
+void run_random_operations(index_t tail_tokens, std::uint32_t seed, index_t page_size = 16, Options options = {},
+                           Quantizer quantizer = {}) {
   const ModelShape shape{3, 4, 2, 32};
   CacheConfig config;
   config.page_size = page_size;
   config.tail_tokens = tail_tokens;
-  KVCache<layout::GQA, Quantizer> cache(shape, config);
-  test::ReferenceCache<Quantizer> model(shape, config.page_size, tail_tokens);
+  config.exact_prefix_tokens = options.exact_prefix;
+  config.key_rope = options.key_rope;
+  KVCache<layout::GQA, Quantizer> cache(shape, config, quantizer);
+  test::ReferenceCache<Quantizer> model(shape, config.page_size, tail_tokens, options.exact_prefix, options.key_rope);
   const index_t row = shape.kv_heads * shape.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   std::mt19937 rng(seed);
@@ -118,7 +128,7 @@ void run_random_operations(index_t tail_tokens, std::uint32_t seed, index_t page
     REQUIRE(unique.size() <= expected_pages_per_stream_sum);  // forks share pages
     REQUIRE(usage.page_payload == unique.size() * cache.page_format_info().payload_bytes);
     REQUIRE(usage.page_metadata == unique.size() * cache.page_format_info().metadata_bytes);
-    const std::size_t tail_capacity = static_cast<std::size_t>(tail_tokens + config.page_size);
+    const std::size_t tail_capacity = static_cast<std::size_t>(options.exact_prefix + tail_tokens + config.page_size);
     REQUIRE(usage.tails == written_layers.size() * tail_capacity *
                                (2 * static_cast<std::size_t>(row) * sizeof(float) + sizeof(std::int32_t)));
     REQUIRE(usage.stored_elements == elements);
@@ -150,4 +160,30 @@ TEMPLATE_TEST_CASE("random operation sequences match the reference model with KI
                    "[cache][property]", quant::KIVI<2>, quant::KIVI<4>) {
   SECTION("no extra tail") { run_random_operations<TestType>(0, 4, 32); }
   SECTION("a one-page full-precision tail (KIVI's residual)") { run_random_operations<TestType>(32, 5, 32); }
+}
+
+TEMPLATE_TEST_CASE("random operation sequences match the reference model with exact sinks and pre-RoPE keys",
+                   "[cache][property][rope]", quant::Float<half>, quant::Q4_0, quant::Int8) {
+  RopeSpec rope;
+  rope.theta = 10000.0;
+  SECTION("one sink, no tail") { run_random_operations<TestType>(0, 6, 16, {1, rope}); }
+  SECTION("four sinks and a tail, half-split pairs") {
+    rope.pairing = RopePairing::kHalfSplit;
+    run_random_operations<TestType>(16, 7, 16, {4, rope});
+  }
+  SECTION("sinks without RoPE") { run_random_operations<TestType>(16, 8, 16, {3, std::nullopt}); }
+}
+
+TEMPLATE_TEST_CASE("random operation sequences match the reference model for KVQuant", "[cache][property][kvquant]",
+                   quant::KVQuant<2>, quant::KVQuant<3>, quant::KVQuant<4>) {
+  const ModelShape shape{3, 4, 2, 32};
+  quant::KVQuantCalibrator calibrator(shape, {TestType::key_codec::kBits, 0.01, true, 50, 1});
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    calibrator.add(layer, test::random_rows(200 * 2, 32, 700 + layer, 2), test::random_rows(200 * 2, 32, 800 + layer));
+  }
+  const TestType quantizer(calibrator.finish(), 0.01);
+  SECTION("as published: pre-RoPE keys, the first token exact") {
+    run_random_operations<TestType>(0, 9, 16, {1, RopeSpec{}}, quantizer);
+  }
+  SECTION("post-RoPE keys, a tail") { run_random_operations<TestType>(32, 10, 16, {}, quantizer); }
 }

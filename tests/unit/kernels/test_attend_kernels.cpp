@@ -22,6 +22,25 @@ namespace {
 
 using namespace kvpack;
 
+template <class Quantizer>
+struct IsKVQuant : std::false_type {};
+template <int Bits>
+struct IsKVQuant<quant::KVQuant<Bits>> : std::true_type {};
+
+/// A quantizer for one head_dim: KVQuant calibrated on random rows with outlier channels (like
+/// the tests' keys, from other seeds), every other one as default-constructed.
+template <class Quantizer>
+Quantizer make_quantizer(index_t head_dim) {
+  if constexpr (IsKVQuant<Quantizer>::value) {
+    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, head_dim},
+                                        {Quantizer::key_codec::kBits, 0.01, true, 50, 1});
+    calibrator.add(0, test::random_rows(256, head_dim, 901, 4, 10.0f), test::random_rows(256, head_dim, 902));
+    return Quantizer(calibrator.finish(), 0.01);
+  } else {
+    return Quantizer{};
+  }
+}
+
 /// Pages of one stream built with the codecs' own scalar encoders, exactly as the cache lays
 /// them out (K plane at 0, V plane 64-byte aligned after it).
 template <class Quantizer>
@@ -49,6 +68,7 @@ struct StreamFixture {
   StreamFixture(index_t page_size, index_t head_dim, index_t page_count, index_t tail_count,
                 const std::vector<float>& keys, const std::vector<float>& values) {
     geometry = {page_size, head_dim};
+    quantizer = make_quantizer<Quantizer>(head_dim);
     value_offset = (quantizer.key.plane_bytes(geometry) + 63) / 64 * 64;
     payload_bytes = (value_offset + quantizer.value.plane_bytes(geometry) + 63) / 64 * 64;
     key_params = quantizer.key.initial_params(0, 0);
@@ -322,6 +342,29 @@ TEMPLATE_TEST_CASE("every ISA rotates pre-RoPE keys like the double-precision re
                                test::random_rows(rows, c.head_dim, 71, 4, 10.0f), test::random_rows(rows, c.head_dim, 72),
                                queries, c.pages > 2, &rope);
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("every ISA matches the reference for KVQuant, post- and pre-RoPE keys", "[kernels][cpu][kvquant]",
+                   quant::KVQuant<2>, quant::KVQuant<3>, quant::KVQuant<4>) {
+  struct Case {
+    index_t page_size, head_dim, pages, tail, group;
+  };
+  const Case cases[] = {{32, 128, 5, 0, 4}, {16, 64, 3, 17, 8}, {64, 32, 2, 5, 2}, {16, 8, 4, 3, 1}};
+  RopeSpec rope;
+  rope.pairing = RopePairing::kHalfSplit;
+  for (const Case& c : cases) {
+    const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
+    auto keys = test::random_rows(rows, c.head_dim, 81, 4, 10.0f);  // outlier channels
+    auto values = test::random_rows(rows, c.head_dim, 82);
+    for (int ch = 0; ch < c.head_dim; ++ch) keys[3 * c.head_dim + ch] = 0.0f;  // a zero row
+    keys[7 * c.head_dim + 1] = 900.0f;                                          // far outside calibration
+    values[9 * c.head_dim + 2] = -400.0f;
+    auto queries = test::random_rows(c.group, c.head_dim, 83, 4, 3.0f);
+    for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true);
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true, &rope);
   }
 }
 

@@ -5,7 +5,9 @@
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
+#include "kvpack/kernels/cpu/kvquant.hpp"
 #include "kvpack/kernels/cpu/q4_0.hpp"
+// After every codec's kernels: the pre-RoPE scorer picks up their decode_key_rows overloads.
 #include "kvpack/kernels/cpu/rope.hpp"
 #include "kvpack/kernels/cpu/kernels.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"

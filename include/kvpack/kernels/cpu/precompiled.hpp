@@ -2,7 +2,8 @@
 /// \file precompiled.hpp
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
-/// Every shipped codec is listed (KIVI with its default group of 32). A kernel not listed here (a user's own codec) still works: it
+/// Every shipped codec is listed (KIVI with its default group of 32), and the pre-RoPE key
+/// scorers of the codecs meant for pre-RoPE storage (f32, f16, KVQuant). A kernel not listed here (a user's own codec) still works: it
 /// is compiled inline for the including file's own target (`default_arch`).
 
 #include <type_traits>
@@ -12,6 +13,7 @@
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/int8.hpp"
 #include "kvpack/quant/kivi.hpp"
+#include "kvpack/quant/kvquant.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
 
@@ -30,6 +32,12 @@ using ScoreKivi2 = ScoreKeys<quant::KiviKeyCodec<2, 32>>;
 using ScoreKivi4 = ScoreKeys<quant::KiviKeyCodec<4, 32>>;
 using ScoreKivi2Token = ScoreKeys<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
 using ScoreKivi4Token = ScoreKeys<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
+using ScoreNuq2 = ScoreKeys<quant::KVQuantKeyCodec<2>>;
+using ScoreNuq3 = ScoreKeys<quant::KVQuantKeyCodec<3>>;
+using ScoreNuq4 = ScoreKeys<quant::KVQuantKeyCodec<4>>;
+using ScoreRotatedNuq2 = ScoreRotatedKeys<quant::KVQuantKeyCodec<2>>;
+using ScoreRotatedNuq3 = ScoreRotatedKeys<quant::KVQuantKeyCodec<3>>;
+using ScoreRotatedNuq4 = ScoreRotatedKeys<quant::KVQuantKeyCodec<4>>;
 using ScoreRotatedF32 = ScoreRotatedKeys<quant::FloatCodec<float, Plane::kKey>>;
 using ScoreRotatedF16 = ScoreRotatedKeys<quant::FloatCodec<half, Plane::kKey>>;
 using AccumulateF32 = AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
@@ -42,6 +50,9 @@ using AccumulateQ8_0 = AccumulateValues<quant::Q8_0Codec<Plane::kValue>>;
 using AccumulateQ4_0 = AccumulateValues<quant::Q4_0Codec<Plane::kValue>>;
 using AccumulateKivi2 = AccumulateValues<quant::KiviValueCodec<2, 32>>;
 using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
+using AccumulateNuq2 = AccumulateValues<quant::KVQuantValueCodec<2>>;
+using AccumulateNuq3 = AccumulateValues<quant::KVQuantValueCodec<3>>;
+using AccumulateNuq4 = AccumulateValues<quant::KVQuantValueCodec<4>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -56,6 +67,9 @@ using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
   X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
   X(precompiled::ScoreKivi4Token) X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
+  X(precompiled::ScoreNuq2) X(precompiled::ScoreNuq3) X(precompiled::ScoreNuq4)                           \
+  X(precompiled::ScoreRotatedNuq2) X(precompiled::ScoreRotatedNuq3) X(precompiled::ScoreRotatedNuq4)      \
+  X(precompiled::AccumulateNuq2) X(precompiled::AccumulateNuq3) X(precompiled::AccumulateNuq4)            \
   X(SoftmaxUpdate) X(ScoreRows) X(ScoreRotatedRows)
 
 namespace kvpack::inline v0::kernels::cpu {

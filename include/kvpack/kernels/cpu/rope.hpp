@@ -4,8 +4,9 @@
 ///        every row rotated to its slot's position (core/rope.hpp's two-part tables), then scored
 ///        like the tail's full-precision rows.
 ///
-/// Decoding uses `decode_key_rows(arch, codec, ...)`: codecs with a fast unpacker overload it;
-/// every other codec falls back to its scalar reference decoder, so any key codec can be stored
+/// Decoding uses `decode_key_rows(arch, codec, ...)`: codecs with a fast unpacker overload it
+/// (declared before this file is included); every other codec falls back to its scalar
+/// reference decoder, so any key codec can be stored
 /// pre-RoPE (slowly) and the fast ones are those the dispatch library precompiles.
 
 #include <cstdint>
