@@ -49,6 +49,7 @@ struct Options {
   std::string kv_dump;  // empty: the synthetic layer
   index_t dump_layer = 0;
   index_t dump_group = 4;  // query heads per KV head for the queries asked of a dump
+  double dump_rope_theta = 10000.0;  // how the dump's keys were rotated (llama2c's base)
   std::string json_path, csv_path;
   std::string plot_path = "compare_policies_pareto.png";
   std::string model_dir = llama2c::default_model_dir().string();
@@ -65,6 +66,8 @@ void print_usage(std::FILE* to) {
              "                       llama2c --dump-kv writes one) instead of the synthetic layer\n"
              "  --dump-layer N       the dump's layer to use (default 0)\n"
              "  --dump-group N       query heads per KV head for the synthetic queries asked of it (default 4)\n"
+             "  --dump-rope-theta X  RoPE base the dump's keys were rotated with, adjacent pairs (default 10000,\n"
+             "                       llama2c's); pre-RoPE policies (kvquant-*) rotate the keys back with it\n"
              "  --needle-contexts L  comma-separated needle context lengths (default 2048,8192; 'none' skips)\n"
              "  --policies L         comma-separated policy names (default: all built-in)\n"
              "  --model-dir DIR      stories260K files (default $KVPACK_MODEL_DIR or ../shared/models/stories260K)\n"
@@ -95,6 +98,9 @@ Options parse(int argc, char** argv) {
       o.dump_layer = args.number<index_t>(0, 1 << 20);
     } else if (args.is("--dump-group")) {
       o.dump_group = args.number<index_t>(1, 64);
+    } else if (args.is("--dump-rope-theta")) {
+      o.dump_rope_theta = args.real(examples::RealBound::kPositive);
+      if (o.dump_rope_theta <= 1.0) throw UsageError{"--dump-rope-theta expects a RoPE base > 1"};
     } else if (args.is("--needle-contexts")) {
       o.needle_contexts.clear();
       if (const std::string_view list = args.value(); list != "none") {
@@ -133,10 +139,10 @@ struct Row {
 };
 
 /// Attention error, bytes and decode speed of one policy on one layer (synthetic or from a dump).
-void measure_layer(const eval::Policy& policy, const eval::SyntheticSpec& spec, const eval::LayerKV& layer,
-                   const std::vector<float>& queries, const std::vector<std::vector<double>>& exact,
-                   Row& row) {
-  const auto cache = policy.make({1, spec.q_heads, spec.kv_heads, spec.head_dim}, {});
+void measure_layer(const eval::Policy& policy, const eval::SyntheticSpec& spec, const eval::PolicyInputs& inputs,
+                   const eval::LayerKV& layer, const std::vector<float>& queries,
+                   const std::vector<std::vector<double>>& exact, Row& row) {
+  const auto cache = policy.make({1, spec.q_heads, spec.kv_heads, spec.head_dim}, {}, inputs);
   const SeqId seq = cache->add_sequence();
   cache->prefill(seq, 0, std::span<const float>(layer.keys), std::span<const float>(layer.values));
   const MemoryUsage memory = cache->memory();
@@ -296,8 +302,24 @@ int run(const Options& o) {
     fmt::print("  {} tokens, {} KV heads x {} query heads each, head_dim {}\n", spec.tokens, spec.kv_heads,
                o.dump_group, spec.head_dim);
   }
-  fmt::print("  kernels: {} (KVPACK_ISA overrides); decode speed is one thread, one layer, data in memory\n\n",
+  fmt::print("  kernels: {} (KVPACK_ISA overrides); decode speed is one thread, one layer, data in memory\n",
              dispatch::active_cpu_isa());
+  // Offline-calibrated policies (kvquant-*): another sample of the synthetic generator, or for a
+  // dump (one text only) its first quarter — flagged, since that overlaps the evaluated data.
+  eval::PolicyInputs inputs;
+  if (o.kv_dump.empty()) {
+    inputs = eval::synthetic_policy_inputs(spec);
+    fmt::print("  calibration (kvquant-*): 2048 tokens from seed {} of the same generator\n\n", spec.seed + 0x51ED);
+  } else {
+    RopeSpec rope;
+    rope.theta = o.dump_rope_theta;
+    eval::LayerKV sample = layer;
+    sample.tokens = std::max<index_t>(2, layer.tokens / 4);
+    sample.keys.resize(sample.offset(sample.tokens, 0));
+    sample.values.resize(sample.keys.size());
+    inputs = {rope, std::make_shared<const std::vector<eval::LayerKV>>(std::vector<eval::LayerKV>{sample})};
+    fmt::print("  calibration (kvquant-*): the dump's first {} tokens (overlaps the evaluated data)\n\n", sample.tokens);
+  }
 
   std::vector<Row> rows(policies.size());
   {
@@ -308,7 +330,7 @@ int run(const Options& o) {
       rows[p].policy = policies[p].name;
       rows[p].description = policies[p].description;
       try {
-        measure_layer(policies[p], spec, layer, queries, exact, rows[p]);
+        measure_layer(policies[p], spec, inputs, layer, queries, exact, rows[p]);
       } catch (const kvpack::Error& e) {  // e.g. a 32-channel block codec on a dump with head_dim 8
         rows[p].not_applicable = e.what();
       }

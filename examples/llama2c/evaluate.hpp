@@ -34,9 +34,42 @@ struct BenchmarkOptions {
   kvpack::CacheConfig cache;  ///< paging of every policy's cache, the reference's included
 };
 
+/// The model's RoPE (llama2.c: base 10^4, adjacent pairs) and calibration K/V for policies that
+/// need them (kvpack::eval::PolicyInputs): every layer of a text sampled at temperature 1 with its
+/// own seed, so it is not the text the policies are scored on.
+inline kvpack::eval::PolicyInputs calibration_inputs(const Transformer& model, int tokens = 256,
+                                                     std::uint64_t seed = 0xCA1B) {
+  const kvpack::eval::Policy reference = kvpack::eval::find_policy(kReferencePolicy);
+  CacheKvStore kv(reference, model.kv_shape(), {});
+  Sampling sampling;
+  sampling.temperature = 1.0f;
+  sampling.seed = seed;
+  (void)generate(model, kv, std::vector<int>{Tokenizer::kBos}, tokens, sampling);  // K/V of all but the last token
+  auto layers = std::make_shared<std::vector<kvpack::eval::LayerKV>>();
+  const kvpack::ModelShape shape = model.kv_shape();
+  for (kvpack::index_t layer = 0; layer < shape.layers; ++layer) {
+    kvpack::eval::LayerKV kv_layer{kv.cache().length(kv.sequence(), layer), shape.kv_heads, shape.head_dim, {}, {}, {}};
+    kv_layer.keys.resize(kv_layer.offset(kv_layer.tokens, 0));
+    kv_layer.values.resize(kv_layer.keys.size());
+    for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
+      const kvpack::StoredTokens stored = kv.cache().read_back(kv.sequence(), layer, head);
+      for (kvpack::index_t t = 0; t < stored.size(); ++t) {
+        std::copy_n(&stored.keys[static_cast<std::size_t>(t) * shape.head_dim], shape.head_dim, kv_layer.key(t, head));
+        std::copy_n(&stored.values[static_cast<std::size_t>(t) * shape.head_dim], shape.head_dim, kv_layer.value(t, head));
+      }
+    }
+    layers->push_back(std::move(kv_layer));
+  }
+  kvpack::RopeSpec rope;
+  rope.theta = 10000.0;
+  rope.pairing = kvpack::RopePairing::kAdjacent;
+  return {rope, std::move(layers)};
+}
+
 /// The texts and the reference cache's results on them, shared by every policy's evaluation.
 struct Benchmark {
   kvpack::CacheConfig cache;
+  kvpack::eval::PolicyInputs inputs;  ///< for policies calibrated offline (calibration_inputs)
   std::vector<int> text;  ///< BOS, then the reference cache's greedy tokens
   LogitRows text_logits;  ///< the reference cache's, teacher forced
   double text_loss = 0.0;
@@ -52,6 +85,7 @@ inline Benchmark prepare_benchmark(const Transformer& model, const Tokenizer& to
   auto fresh_reference_kv = [&] { return CacheKvStore(reference, model.kv_shape(), options.cache); };
   Benchmark benchmark;
   benchmark.cache = options.cache;
+  benchmark.inputs = calibration_inputs(model);
   CacheKvStore generation_kv = fresh_reference_kv();
   benchmark.text = generate(model, generation_kv, std::vector<int>{Tokenizer::kBos}, options.text_tokens);
   CacheKvStore scoring_kv = fresh_reference_kv();
@@ -94,7 +128,7 @@ inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& b
   result.description = policy.description;
   std::optional<CacheKvStore> kv;
   try {
-    kv.emplace(policy, model.kv_shape(), benchmark.cache);
+    kv.emplace(policy, model.kv_shape(), benchmark.cache, benchmark.inputs);
   } catch (const kvpack::Error& error) {
     result.not_applicable = error.what();
     return result;
@@ -106,7 +140,7 @@ inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& b
   result.loss_delta = result.text.loss - benchmark.text_loss;
 
   for (const NameProbe& probe : benchmark.probes) {
-    CacheKvStore probe_kv(policy, model.kv_shape(), benchmark.cache);
+    CacheKvStore probe_kv(policy, model.kv_shape(), benchmark.cache, benchmark.inputs);
     const NameScore score = score_name(model, probe_kv, probe);
     result.name_log_prob += score.log_prob;
     result.name_top1 += score.top1;

@@ -40,8 +40,9 @@ class CacheKvStore final : public KvStore {
 
   /// A fresh cache of `policy`. Throws kvpack::Error when the policy cannot hold this shape
   /// (e.g. q4_0's 32-element blocks with head_dim 8).
-  CacheKvStore(const kvpack::eval::Policy& policy, const kvpack::ModelShape& shape, const kvpack::CacheConfig& config)
-      : CacheKvStore(policy.make(shape, config)) {}
+  CacheKvStore(const kvpack::eval::Policy& policy, const kvpack::ModelShape& shape, const kvpack::CacheConfig& config,
+               const kvpack::eval::PolicyInputs& inputs = {})
+      : CacheKvStore(policy.make(shape, config, inputs)) {}
 
   void append(int layer, std::span<const float> key, std::span<const float> value, int position) override {
     cache_->append(sequence_, layer, key, value, position);

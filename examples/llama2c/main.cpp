@@ -46,12 +46,18 @@ struct Options {
 
 using kvpack::examples::UsageError;
 
+std::string policy_names() {
+  std::string names;
+  for (const kvpack::eval::Policy& policy : kvpack::eval::builtin_policies()) names += (names.empty() ? "" : " ") + policy.name;
+  return names;
+}
+
 void print_usage(std::FILE* to) {
   fmt::print(to,
              "usage: llama2c [--model-dir DIR] [--policy NAME] [--steps N] [--prompt TEXT] [--page-size N]\n"
              "               [--report] [--json FILE] [--dump-kv FILE]\n"
              "  --model-dir DIR  holds stories260K.bin and tok512.bin (default ${}, else {})\n"
-             "  --policy NAME    KV cache policy: f32 f16 bf16 fp8-e4m3 fp8-e5m2 int8 q8_0 q4_0 q8_0/q4_0\n"
+             "  --policy NAME    KV cache policy: {}\n"
              "  --steps N        tokens generated greedily after the prompt (default 256; never stops early)\n"
              "  --prompt TEXT    text after BOS (default: none)\n"
              "  --page-size N    tokens per cache page, a multiple of 16 in [16, 256] (default 32)\n"
@@ -60,7 +66,7 @@ void print_usage(std::FILE* to) {
              "  --json FILE      with --report, also write the rows as JSON\n"
              "  --dump-kv FILE   without --report, also write the generated text's K/V (f32, post-RoPE) as a\n"
              "                   kvpack K/V dump (compare_policies --kv-dump reads it)\n",
-             kModelDirVariable, LLAMA2C_DEFAULT_MODEL_DIR);
+             kModelDirVariable, LLAMA2C_DEFAULT_MODEL_DIR, policy_names());
 }
 
 Options parse(int argc, char** argv) {
@@ -99,7 +105,8 @@ Options parse(int argc, char** argv) {
 void run_generation(const Transformer& model, const Tokenizer& tokenizer, const Options& options,
                     const kvpack::CacheConfig& cache) {
   const kvpack::eval::Policy policy = kvpack::eval::find_policy(options.policy.value_or(kReferencePolicy));
-  CacheKvStore kv(policy, model.kv_shape(), cache);
+  CacheKvStore kv(policy, model.kv_shape(), cache,
+                  policy.needs_inputs ? calibration_inputs(model) : kvpack::eval::PolicyInputs{});
   const std::vector<int> prompt = tokenizer.encode(options.prompt);
   const auto start = std::chrono::steady_clock::now();
   const std::vector<int> tokens = generate(model, kv, prompt, options.steps);

@@ -86,7 +86,7 @@ class KVCache {
         key_dim_(layout_.key_dim(shape_)),
         value_dim_(layout_.value_dim(shape_)),
         pool_(page_format(), config_.max_pages),
-        rope_tables_(config_.key_rope ? RopeTables(*config_.key_rope, key_dim_) : RopeTables()) {
+        rope_tables_(config_.key_rope ? RopeTables::shared(*config_.key_rope, key_dim_) : nullptr) {
     for (index_t h = 0; h < shape_.q_heads; ++h) {
       KVPACK_CHECK(layout_.stream_of_query_head(shape_, h) == h / shape_.group_size(), kInvalidConfig,
                    detail::message("layout ", Layout::kName, " maps query head ", h,
@@ -225,7 +225,7 @@ class KVCache {
         for (std::size_t i = 0; i < table.size(); ++i) {
           page_positions[i] = reinterpret_cast<const std::int32_t*>(pool_.metadata(table[i]));
         }
-        key_rope = {rope_tables_.view(), page_positions.data(), state.tail_positions.data()};
+        key_rope = {rope_tables_->view(), page_positions.data(), state.tail_positions.data()};
       }
       scaled_queries.resize(static_cast<std::size_t>(group) * key_dim_);
       for (std::size_t i = 0; i < scaled_queries.size(); ++i) {
@@ -283,6 +283,13 @@ class KVCache {
     release_pages(*sequence);
   }
 
+  /// The position of the last token of one layer of a sequence, -1 when it holds none.
+  [[nodiscard]] std::int64_t last_position(SeqId seq, index_t layer) const {
+    const Sequence& sequence = find(seq, "last_position");
+    check_layer(layer, "last_position");
+    return sequence.layers[layer].last_position;
+  }
+
   /// Tokens stored in one layer of a sequence.
   [[nodiscard]] index_t length(SeqId seq, index_t layer) const {
     const Sequence& sequence = find(seq, "length");
@@ -305,7 +312,7 @@ class KVCache {
     usage.tails = tail_bytes_.load(std::memory_order_relaxed);
     usage.tables = table_bytes_.load(std::memory_order_relaxed);
     usage.codec_params = codec_param_bytes();
-    usage.rope_tables = rope_tables_.bytes();
+    usage.shared_tables = (rope_tables_ ? rope_tables_->bytes() : 0) + quantizer_table_bytes();
     usage.stored_elements = stored_elements_.load(std::memory_order_relaxed);
     return usage;
   }
@@ -423,7 +430,7 @@ class KVCache {
 
   /// The largest position a token may have: int32 (slot metadata), or the RoPE tables' reach.
   [[nodiscard]] std::int64_t max_position() const noexcept {
-    return config_.key_rope ? rope_tables_.max_position() : std::numeric_limits<std::int32_t>::max();
+    return config_.key_rope ? rope_tables_->max_position() : std::numeric_limits<std::int32_t>::max();
   }
   [[nodiscard]] const char* max_position_reason() const noexcept {
     return config_.key_rope ? " (CacheConfig.key_rope.max_position; raise it for longer contexts)"
@@ -457,10 +464,12 @@ class KVCache {
   [[nodiscard]] std::size_t codec_param_bytes() const noexcept {
     const std::size_t per_stream = (std::is_empty_v<KeyParams> ? 0 : sizeof(KeyParams)) +
                                    (std::is_empty_v<ValueParams> ? 0 : sizeof(ValueParams));
-    // Quantizers whose params point into tables of their own (KVQuant's calibration) count them.
-    std::size_t tables = 0;
-    if constexpr (requires { quantizer_.table_bytes(); }) tables = quantizer_.table_bytes();
-    return per_stream * key_params_.size() + tables;
+    return per_stream * key_params_.size();
+  }
+  /// Tables a quantizer's params point into (KVQuant's calibration), shared by its copies.
+  [[nodiscard]] std::size_t quantizer_table_bytes() const noexcept {
+    if constexpr (requires { quantizer_.table_bytes(); }) return quantizer_.table_bytes();
+    return 0;
   }
 
   Sequence& find(SeqId seq, const char* call) const {
@@ -757,7 +766,7 @@ class KVCache {
   index_t key_dim_;
   index_t value_dim_;
   mutable paging::PagePool pool_;
-  RopeTables rope_tables_;  ///< empty unless config_.key_rope
+  std::shared_ptr<const RopeTables> rope_tables_;  ///< null unless config_.key_rope
 
   std::vector<KeyParams> key_params_;      ///< [layers][streams]
   std::vector<ValueParams> value_params_;  ///< [layers][streams]

@@ -61,15 +61,18 @@ struct MemoryUsage {
   std::size_t page_metadata = 0;  ///< per-slot positions, live masks, selector summaries
   std::size_t tails = 0;          ///< full-precision tail and exact-prefix buffers, as allocated
   std::size_t tables = 0;         ///< block tables, as allocated
-  std::size_t codec_params = 0;   ///< codec parameters: FP8 scales, KVQuant's calibration tables
-  std::size_t rope_tables = 0;    ///< cos/sin tables of pre-RoPE key storage (fixed per cache)
+  std::size_t codec_params = 0;   ///< per (layer, KV head) codec parameters (FP8 scales)
+  /// Per-model tables shared with other caches and copies of the quantizer: RoPE's cos/sin
+  /// (pre-RoPE keys), KVQuant's calibration. Fixed in size and not in total(): they do not grow
+  /// with sequences or tokens.
+  std::size_t shared_tables = 0;
   std::size_t pages_in_use = 0;
   /// K and V elements held, summed over sequences, layers and streams (a forked sequence counts
   /// its shared tokens again): the denominator of bits per element.
   std::size_t stored_elements = 0;
 
   [[nodiscard]] std::size_t total() const noexcept {
-    return page_payload + page_metadata + tails + tables + codec_params + rope_tables;
+    return page_payload + page_metadata + tails + tables + codec_params;
   }
   /// All bytes, metadata, tails and tables included, per stored element.
   [[nodiscard]] double bits_per_element() const noexcept {

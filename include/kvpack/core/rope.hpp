@@ -20,6 +20,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "kvpack/core/types.hpp"
@@ -125,6 +129,21 @@ class RopeTables {
       sign_[c] = (spec.pairing == RopePairing::kAdjacent ? c % 2 == 0 : c < head_dim / 2) ? -1.0f : 1.0f;
     }
     max_position_ = spec.max_position;
+  }
+
+  /// The tables of (spec, head_dim), shared by every cache of this process that asks for them
+  /// while one holds them: a model's layers and sequences read one copy.
+  static std::shared_ptr<const RopeTables> shared(const RopeSpec& spec, index_t head_dim) {
+    spec.validate(head_dim);
+    using Key = std::tuple<double, RopePairing, std::int64_t, index_t>;
+    static std::mutex mutex;
+    static std::map<Key, std::weak_ptr<const RopeTables>> registry;
+    const Key key{spec.theta, spec.pairing, spec.max_position, head_dim};
+    std::lock_guard lock(mutex);
+    if (auto found = registry[key].lock()) return found;
+    auto tables = std::make_shared<const RopeTables>(spec, head_dim);
+    registry[key] = tables;
+    return tables;
   }
 
   [[nodiscard]] RopeView view() const noexcept {

@@ -110,13 +110,15 @@ class NeedleSuite {
     }
     const int total = static_cast<int>(haystacks_.size() * spec_.depths.size());
     int done = 0;
+    const bool calibrated = std::any_of(policies.begin(), policies.end(), [](const Policy& p) { return p.needs_inputs; });
+    const PolicyInputs inputs = calibrated ? synthetic_policy_inputs(spec_.workload) : PolicyInputs{};
     for (const Haystack& haystack : haystacks_) {
       LayerKV kv = haystack.tokens;  // one working copy per haystack; needles are planted and removed
       for (std::size_t d = 0; d < spec_.depths.size(); ++d) {
         const Trial trial = plant(haystack, kv, spec_.depths[d]);
         const std::size_t cell = context_index(haystack.context) * spec_.depths.size() + d;
         for (std::size_t p = 0; p < policies.size(); ++p) {
-          run_trial(policies[p], config, haystack, kv, trial, reports[p].cells[cell]);
+          run_trial(policies[p], config, inputs, haystack, kv, trial, reports[p].cells[cell]);
         }
         remove(haystack, kv, trial.needle);
         if (progress) progress(++done, total);
@@ -300,13 +302,13 @@ class NeedleSuite {
               h.tokens.values.begin() + static_cast<std::ptrdiff_t>(end), kv.values.begin() + static_cast<std::ptrdiff_t>(begin));
   }
 
-  void run_trial(const Policy& policy, const CacheConfig& config, const Haystack& h, const LayerKV& kv,
-                 const Trial& trial, NeedleCell& cell) const {
+  void run_trial(const Policy& policy, const CacheConfig& config, const PolicyInputs& inputs, const Haystack& h,
+                 const LayerKV& kv, const Trial& trial, NeedleCell& cell) const {
     const SyntheticSpec& w = spec_.workload;
     const index_t d = w.head_dim, heads = w.kv_heads, group = w.q_heads / w.kv_heads;
     const index_t context = h.context;
 
-    const std::unique_ptr<AnyCache> cache = policy.make({1, w.q_heads, heads, d}, config);
+    const std::unique_ptr<AnyCache> cache = policy.make({1, w.q_heads, heads, d}, config, inputs);
     const SeqId seq = cache->add_sequence();
     const std::size_t prompt_elements = kv.offset(context, 0);
     cache->prefill(seq, 0, std::span<const float>(kv.keys.data(), prompt_elements),

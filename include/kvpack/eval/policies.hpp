@@ -7,14 +7,17 @@
 /// Engines that know their policy at compile time should use KVCache directly; the virtual
 /// calls here cost nothing next to attention but hide the concrete type.
 
+#include <algorithm>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "kvpack/eval/synthetic.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace kvpack::inline v0::eval {
@@ -42,7 +45,11 @@ class AnyCache {
   [[nodiscard]] virtual double nominal_bits_per_element() const noexcept = 0;
 };
 
-/// AnyCache over one concrete KVCache type.
+/// AnyCache over one concrete KVCache type. Evaluation data (synthetic workloads, K/V dumps, the
+/// llama2c engine) comes with keys after RoPE; when the cache stores keys before RoPE
+/// (CacheConfig::key_rope), the adapter rotates each incoming key back by its position first, so
+/// every harness can drive every policy. (An engine feeds such a cache its pre-RoPE keys
+/// directly; the round trip here costs float rounding only.)
 template <class Cache>
 class CacheAdapter final : public AnyCache {
  public:
@@ -55,11 +62,11 @@ class CacheAdapter final : public AnyCache {
   [[nodiscard]] SeqId add_sequence() override { return cache_.add_sequence(); }
   void prefill(SeqId seq, index_t layer, std::span<const float> keys, std::span<const float> values,
                std::span<const float> observation_queries) override {
-    cache_.prefill(seq, layer, keys, values, observation_queries);
+    cache_.prefill(seq, layer, unrotated(keys, cache_.last_position(seq, layer) + 1), values, observation_queries);
   }
   void append(SeqId seq, index_t layer, std::span<const float> key, std::span<const float> value,
               std::int64_t position) override {
-    cache_.append(seq, layer, key, value, position);
+    cache_.append(seq, layer, unrotated(key, position), value, position);
   }
   void attend(SeqId seq, index_t layer, std::span<const float> query, std::span<float> out,
               float scale) const override {
@@ -79,14 +86,56 @@ class CacheAdapter final : public AnyCache {
   }
 
  private:
+  /// Post-RoPE rows [T][kv_heads][head_dim] at positions first, first + 1, … rotated back, or
+  /// the input itself when the cache stores keys as given.
+  std::span<const float> unrotated(std::span<const float> keys, std::int64_t first) {
+    const std::optional<RopeSpec>& rope = cache_.config().key_rope;
+    if (!rope) return keys;
+    const index_t d = cache_.shape().head_dim;
+    const std::size_t row = static_cast<std::size_t>(cache_.streams_per_layer()) * d;
+    scratch_.assign(keys.begin(), keys.end());
+    for (std::size_t i = 0; i * d < scratch_.size(); ++i) {
+      apply_rope_reference(*rope, d, -(first + static_cast<std::int64_t>(i * d / row)), scratch_.data() + i * d);
+    }
+    return scratch_;
+  }
+
   Cache cache_;
+  std::vector<float> scratch_;
 };
+
+/// What a policy may need beyond the model's shape: how the model rotates keys (policies that
+/// store them before RoPE) and sample K/V per layer, after RoPE (policies calibrated offline).
+struct PolicyInputs {
+  std::optional<RopeSpec> model_rope{};
+  std::shared_ptr<const std::vector<LayerKV>> calibration{};
+};
+
+/// Inputs for the synthetic workload `spec`: its RoPE, and calibration K/V from another sample of
+/// the same generator (another seed, `tokens` tokens), never the evaluated data itself.
+inline PolicyInputs synthetic_policy_inputs(const SyntheticSpec& spec, index_t tokens = 2048) {
+  SyntheticSpec sample = spec;
+  sample.seed = spec.seed + 0x51ED;
+  sample.tokens = tokens;
+  RopeSpec rope;
+  rope.theta = spec.rope_theta;
+  rope.pairing = RopePairing::kAdjacent;  // as make_layer rotates
+  return {rope, std::make_shared<const std::vector<LayerKV>>(std::vector<LayerKV>{make_layer(sample)})};
+}
 
 /// A named policy and how to build a cache with it.
 struct Policy {
+  using Factory = std::function<std::unique_ptr<AnyCache>(const ModelShape&, CacheConfig, const PolicyInputs&)>;
   std::string name;         ///< what command lines take, e.g. "q4_0"
   std::string description;  ///< the C++ type, e.g. "KVCache<GQA, Q4_0>"
-  std::function<std::unique_ptr<AnyCache>(const ModelShape&, CacheConfig)> make;
+  Factory factory;
+  /// needs_inputs: the policy cannot be built without PolicyInputs (KVQuant's calibration).
+  bool needs_inputs = false;
+
+  [[nodiscard]] std::unique_ptr<AnyCache> make(const ModelShape& shape, CacheConfig config,
+                                               const PolicyInputs& inputs = {}) const {
+    return factory(shape, std::move(config), inputs);
+  }
 };
 
 /// A Policy for KVCache<layout::GQA, Quantizer, Evictor, Selector>. `residual_tokens`: the
@@ -96,12 +145,48 @@ template <class Quantizer, class Evictor = evict::KeepAll, class Selector = sele
 Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}, index_t residual_tokens = 0) {
   using Cache = KVCache<layout::GQA, Quantizer, Evictor, Selector>;
   return {std::move(name), std::move(description),
-          [quantizer, residual_tokens](const ModelShape& shape, CacheConfig config) -> std::unique_ptr<AnyCache> {
+          [quantizer, residual_tokens](const ModelShape& shape, CacheConfig config,
+                                       const PolicyInputs&) -> std::unique_ptr<AnyCache> {
             if (config.tail_tokens < residual_tokens && config.page_size > 0) {
               config.tail_tokens = (residual_tokens + config.page_size - 1) / config.page_size * config.page_size;
             }
             return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config), quantizer);
           }};
+}
+
+/// KVQuant as published (ALGORITHMS.md §2): nuq`Bits` with 1 % exact outliers, keys stored before
+/// RoPE (the model's), the first token exact, codebooks and key ranges calibrated by weighted
+/// k-means on `inputs.calibration` (keys rotated back first).
+template <int Bits>
+Policy make_kvquant_policy() {
+  const std::string name = "kvquant-" + std::to_string(Bits);
+  Policy policy{name, "KVQuant<" + std::to_string(Bits) + ">: nuq" + std::to_string(Bits) +
+                          "-1%, pre-RoPE keys, first token exact, calibrated on sample K/V",
+                [name](const ModelShape& shape, CacheConfig config, const PolicyInputs& inputs) -> std::unique_ptr<AnyCache> {
+                  KVPACK_CHECK(inputs.model_rope && inputs.calibration && !inputs.calibration->empty(), kInvalidArgument,
+                               ::kvpack::detail::message(name, " needs PolicyInputs: the model's RoPE and calibration "
+                                                               "K/V for each layer"));
+                  KVPACK_CHECK(static_cast<index_t>(inputs.calibration->size()) == shape.layers, kInvalidArgument,
+                               ::kvpack::detail::message(name, ": calibration has ", inputs.calibration->size(),
+                                                         " layers, the model ", shape.layers));
+                  quant::KVQuantCalibrator calibrator(shape, {Bits, 0.01, true, 50, 1});
+                  for (index_t layer = 0; layer < shape.layers; ++layer) {
+                    LayerKV kv = (*inputs.calibration)[layer];
+                    for (index_t t = 0; t < kv.tokens; ++t) {
+                      for (index_t h = 0; h < kv.kv_heads; ++h) {
+                        apply_rope_reference(*inputs.model_rope, kv.head_dim, -static_cast<std::int64_t>(t), kv.key(t, h));
+                      }
+                    }
+                    calibrator.add(layer, kv.keys, kv.values);
+                  }
+                  config.key_rope = inputs.model_rope;
+                  config.exact_prefix_tokens = std::max<index_t>(config.exact_prefix_tokens, 1);
+                  using Cache = KVCache<layout::GQA, quant::KVQuant<Bits>>;
+                  return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config),
+                                                               quant::KVQuant<Bits>(calibrator.finish(), 0.01));
+                },
+                true};
+  return policy;
 }
 
 /// Every built-in policy, full precision first. New policies add themselves here.
@@ -119,6 +204,9 @@ inline std::vector<Policy> builtin_policies() {
       // KIVI as published: group 32, the newest R = 128 tokens kept in full precision.
       make_policy<quant::KIVI<4>>("kivi-4", "KIVI<4, 32>, residual 128: 4-bit keys per channel, values per token", {}, 128),
       make_policy<quant::KIVI<2>>("kivi-2", "KIVI<2, 32>, residual 128: 2-bit keys per channel, values per token", {}, 128),
+      make_kvquant_policy<4>(),
+      make_kvquant_policy<3>(),
+      make_kvquant_policy<2>(),
   };
 }
 

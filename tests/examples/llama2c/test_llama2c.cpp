@@ -294,6 +294,15 @@ TEST_CASE("policies: every builtin runs on the real model or says why it cannot"
     // few times what was measured, so a kernel on another ISA passes but a real regression fails.
     // Measured: 16-bit |Δloss| <= 2.4e-4 nats, KL <= 6.7e-6, top-1 100 %, |Δname| <= 0.002;
     // 8-bit (fp8 e4m3/e5m2, int8) |Δloss| <= 0.012, KL <= 6.5e-3, top-1 >= 95.6 %, |Δname| <= 0.18.
+    // KVQuant (pre-RoPE, calibrated on another sampled text): nuq4 and nuq3 measured inside the
+    // 8-bit tier (Δloss 0.003 / 0.014); nuq2 Δloss 0.058, KL 0.032, top-1 91.9 %, Δname −0.54.
+    if (policy.name == "kvquant-2") {
+      CHECK(std::fabs(r.loss_delta) < 0.2);
+      CHECK(r.text.kl < 0.1);
+      CHECK(r.text.top1_agreement >= 0.8);
+      CHECK(std::fabs(r.name_log_prob_delta) < 1.5);
+      continue;
+    }
     const bool sixteen_bit = policy.name == "f16" || policy.name == "bf16";
     CHECK(std::fabs(r.loss_delta) < (sixteen_bit ? 0.002 : 0.05));
     CHECK(r.text.kl < (sixteen_bit ? 1e-4 : 0.03));

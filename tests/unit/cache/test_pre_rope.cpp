@@ -118,12 +118,15 @@ TEST_CASE("pre-RoPE storage rejects what its tables cannot rotate", "[cache][rop
   CHECK_THROWS_AS((KVCache<layout::GQA, quant::Float<float>>(kShape, config)), Error);
 }
 
-TEST_CASE("pre-RoPE tables are counted in memory()", "[cache][rope]") {
+TEST_CASE("pre-RoPE tables are shared between caches and reported apart from total()", "[cache][rope]") {
   CacheConfig config;
   config.key_rope = RopeSpec{};
-  KVCache<layout::GQA, quant::Float<half>> with(kShape, config), without(kShape);
-  CHECK(without.memory().rope_tables == 0);
-  // cos and sin rows of head_dim floats: 2^10 fine rows and max_position / 2^10 + 1 coarse ones.
+  KVCache<layout::GQA, quant::Float<half>> with(kShape, config), again(kShape, config), without(kShape);
+  CHECK(without.memory().shared_tables == 0);
+  // cos and sin rows of head_dim floats: 2^10 fine rows and max_position / 2^10 + 1 coarse ones,
+  // and the sign row.
   const std::size_t rows = 1024 + (std::size_t{1} << 20) / 1024 + 1;
-  CHECK(with.memory().rope_tables == 2 * rows * kShape.head_dim * sizeof(float) + kShape.head_dim * sizeof(float));
+  CHECK(with.memory().shared_tables == 2 * rows * kShape.head_dim * sizeof(float) + kShape.head_dim * sizeof(float));
+  CHECK(with.memory().total() == without.memory().total());
+  CHECK(RopeTables::shared(RopeSpec{}, kShape.head_dim) == RopeTables::shared(RopeSpec{}, kShape.head_dim));
 }

@@ -91,7 +91,8 @@ TEST_CASE("a policy that loses the middle of the context fails the needle there 
   const NeedleSuite suite(small_spec());
   const Policy f32 = find_policy("f32");
   const Policy forgetful{"forgetful", "f32 losing the middle half",
-                         [&](const ModelShape& shape, const CacheConfig& config) -> std::unique_ptr<AnyCache> {
+                         [&](const ModelShape& shape, const CacheConfig& config,
+                             const PolicyInputs&) -> std::unique_ptr<AnyCache> {
                            return std::make_unique<ForgetfulCache>(f32.make(shape, config));
                          }};
   const NeedleReport report = suite.run(forgetful);

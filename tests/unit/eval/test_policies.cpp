@@ -22,9 +22,13 @@ TEST_CASE("every built-in policy builds, stores and attends through AnyCache", "
   const auto values = test::random_rows(100 * 2, 64, 2);
   const auto query = test::random_rows(8, 64, 3);
   const auto exact = exact_attention(keys, values, 2, 64, query, 0.125);
+  // KVQuant calibrates on other data of the same kind (rotated by the same RoPE).
+  RopeSpec rope;
+  LayerKV sample{300, 2, 64, test::random_rows(300 * 2, 64, 4, 2, 5.0f), test::random_rows(300 * 2, 64, 5), {}};
+  const PolicyInputs inputs{rope, std::make_shared<const std::vector<LayerKV>>(std::vector<LayerKV>{sample})};
   for (const Policy& policy : builtin_policies()) {
     INFO(policy.name);
-    const auto cache = policy.make(shape, {});
+    const auto cache = policy.make(shape, {}, inputs);
     const SeqId seq = cache->add_sequence();
     cache->prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
     CHECK(cache->length(seq, 0) == 100);
@@ -40,6 +44,21 @@ TEST_CASE("every built-in policy builds, stores and attends through AnyCache", "
     CHECK(cache->memory().stored_elements == 100 * 2 * 64 * 2);
     CHECK(cache->nominal_bits_per_element() > 0);
   }
+}
+
+TEST_CASE("a policy calibrated offline says what it needs when it gets nothing", "[eval][policies]") {
+  const Policy kvquant = find_policy("kvquant-3");
+  CHECK(kvquant.needs_inputs);
+  CHECK_FALSE(find_policy("kivi-2").needs_inputs);
+  CHECK_THROWS_WITH(kvquant.make({1, 8, 2, 64}, {}), Catch::Contains("needs PolicyInputs"));
+  // Calibration for 1 layer, a model of 2.
+  const PolicyInputs one_layer = synthetic_policy_inputs(SyntheticSpec{}, 64);
+  CHECK_THROWS_WITH(kvquant.make({2, 32, 8, 128}, {}, one_layer), Catch::Contains("calibration has 1 layers"));
+  // As published: pre-RoPE keys with the model's RoPE, the first token exact.
+  const auto cache = kvquant.make({1, 32, 8, 128}, {}, one_layer);
+  REQUIRE(cache->config().key_rope.has_value());
+  CHECK(cache->config().key_rope->theta == SyntheticSpec{}.rope_theta);
+  CHECK(cache->config().exact_prefix_tokens == 1);
 }
 
 TEST_CASE("find_policy names the known policies when asked for an unknown one", "[eval][policies]") {
