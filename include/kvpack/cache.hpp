@@ -364,6 +364,18 @@ class KVCache {
     std::vector<float> keys(static_cast<std::size_t>(page) * key_dim_);
     std::vector<float> values(static_cast<std::size_t>(page) * value_dim_);
     const std::size_t p = static_cast<std::size_t>(layer) * streams_ + stream;
+    // Full-precision rows [first, last) of this stream: the exact prefix, then the tail.
+    const float* rows_k = state.tail_keys.data() + static_cast<std::size_t>(stream) * tail_capacity() * key_dim_;
+    const float* rows_v = state.tail_values.data() + static_cast<std::size_t>(stream) * tail_capacity() * value_dim_;
+    auto add_rows = [&](index_t first, index_t last) {
+      stored.positions.insert(stored.positions.end(), state.tail_positions.begin() + first,
+                              state.tail_positions.begin() + last);
+      stored.keys.insert(stored.keys.end(), rows_k + static_cast<std::size_t>(first) * key_dim_,
+                         rows_k + static_cast<std::size_t>(last) * key_dim_);
+      stored.values.insert(stored.values.end(), rows_v + static_cast<std::size_t>(first) * value_dim_,
+                           rows_v + static_cast<std::size_t>(last) * value_dim_);
+    };
+    add_rows(0, state.prefix_count);
     for (PageId id : state.tables[stream]) {
       const std::byte* payload = pool_.payload(id);
       quantizer_.key.decode(key_geometry(), payload, key_params_[p], keys.data());
@@ -383,12 +395,7 @@ class KVCache {
                              values.begin() + static_cast<std::ptrdiff_t>(t + 1) * value_dim_);
       }
     }
-    const float* tail_k = state.tail_keys.data() + static_cast<std::size_t>(stream) * tail_capacity() * key_dim_;
-    const float* tail_v = state.tail_values.data() + static_cast<std::size_t>(stream) * tail_capacity() * value_dim_;
-    stored.positions.insert(stored.positions.end(), state.tail_positions.begin(),
-                            state.tail_positions.begin() + state.rows_count());
-    stored.keys.insert(stored.keys.end(), tail_k, tail_k + static_cast<std::size_t>(state.rows_count()) * key_dim_);
-    stored.values.insert(stored.values.end(), tail_v, tail_v + static_cast<std::size_t>(state.rows_count()) * value_dim_);
+    add_rows(state.prefix_count, state.rows_count());
     if (config_.key_rope) {
       for (index_t i = 0; i < stored.size(); ++i) {
         apply_rope_reference(*config_.key_rope, key_dim_, stored.positions[i],

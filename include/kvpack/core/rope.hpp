@@ -97,6 +97,21 @@ struct RopeView {
   static constexpr std::int64_t kFine = std::int64_t{1} << kFineBits;
 };
 
+/// `out` = `in` rotated to `position` (or, with `inverse`, back from it) through the tables:
+/// the scalar form of the kernels' rotation, for callers outside the decode loop.
+inline void rotate_with_tables(const RopeView& rope, std::int64_t position, const float* in, float* out,
+                               bool inverse = false) noexcept {
+  const std::int64_t p = position < 0 ? 0 : (position > rope.max_position ? rope.max_position : position);
+  const std::size_t lo = static_cast<std::size_t>(p & (RopeView::kFine - 1)) * rope.head_dim;
+  const std::size_t hi = static_cast<std::size_t>(p >> RopeView::kFineBits) * rope.head_dim;
+  for (index_t c = 0; c < rope.head_dim; ++c) {
+    const float cosine = rope.coarse_cos[hi + c] * rope.fine_cos[lo + c] - rope.coarse_sin[hi + c] * rope.fine_sin[lo + c];
+    const float sine = rope.sign[c] * (rope.coarse_sin[hi + c] * rope.fine_cos[lo + c] +
+                                       rope.coarse_cos[hi + c] * rope.fine_sin[lo + c]);
+    out[c] = in[c] * cosine + in[rope_partner(c, rope.head_dim, rope.pairing)] * (inverse ? -sine : sine);
+  }
+}
+
 /// Owns the tables of one (spec, head_dim); immutable after construction.
 class RopeTables {
  public:

@@ -111,9 +111,12 @@ class NeedleSuite {
     const int total = static_cast<int>(haystacks_.size() * spec_.depths.size());
     int done = 0;
     const bool calibrated = std::any_of(policies.begin(), policies.end(), [](const Policy& p) { return p.needs_inputs; });
-    const PolicyInputs inputs = calibrated ? synthetic_policy_inputs(spec_.workload) : PolicyInputs{};
     for (const Haystack& haystack : haystacks_) {
       LayerKV kv = haystack.tokens;  // one working copy per haystack; needles are planted and removed
+      // Each haystack is its own synthetic model: calibrate on another text of it.
+      SyntheticSpec model = spec_.workload;
+      model.seed = haystack.seed;
+      const PolicyInputs inputs = calibrated ? synthetic_policy_inputs(model) : PolicyInputs{};
       for (std::size_t d = 0; d < spec_.depths.size(); ++d) {
         const Trial trial = plant(haystack, kv, spec_.depths[d]);
         const std::size_t cell = context_index(haystack.context) * spec_.depths.size() + d;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -92,15 +93,18 @@ class CacheAdapter final : public AnyCache {
     const std::optional<RopeSpec>& rope = cache_.config().key_rope;
     if (!rope) return keys;
     const index_t d = cache_.shape().head_dim;
+    if (!tables_) tables_ = RopeTables::shared(*rope, d);
     const std::size_t row = static_cast<std::size_t>(cache_.streams_per_layer()) * d;
-    scratch_.assign(keys.begin(), keys.end());
-    for (std::size_t i = 0; i * d < scratch_.size(); ++i) {
-      apply_rope_reference(*rope, d, -(first + static_cast<std::int64_t>(i * d / row)), scratch_.data() + i * d);
+    scratch_.resize(keys.size());
+    for (std::size_t i = 0; i * d < keys.size(); ++i) {
+      rotate_with_tables(tables_->view(), first + static_cast<std::int64_t>(i * d / row), keys.data() + i * d,
+                         scratch_.data() + i * d, /*inverse=*/true);
     }
     return scratch_;
   }
 
   Cache cache_;
+  std::shared_ptr<const RopeTables> tables_;  ///< for rotating post-RoPE input back
   std::vector<float> scratch_;
 };
 
@@ -111,11 +115,11 @@ struct PolicyInputs {
   std::shared_ptr<const std::vector<LayerKV>> calibration{};
 };
 
-/// Inputs for the synthetic workload `spec`: its RoPE, and calibration K/V from another sample of
-/// the same generator (another seed, `tokens` tokens), never the evaluated data itself.
+/// Inputs for the synthetic workload `spec`: its RoPE, and calibration K/V from another text of
+/// the same model (same seed, other token draws, `tokens` tokens), never the evaluated data.
 inline PolicyInputs synthetic_policy_inputs(const SyntheticSpec& spec, index_t tokens = 2048) {
   SyntheticSpec sample = spec;
-  sample.seed = spec.seed + 0x51ED;
+  sample.token_seed = spec.seed + 0x51ED;
   sample.tokens = tokens;
   RopeSpec rope;
   rope.theta = spec.rope_theta;
@@ -160,30 +164,47 @@ Policy make_policy(std::string name, std::string description, Quantizer quantize
 template <int Bits>
 Policy make_kvquant_policy() {
   const std::string name = "kvquant-" + std::to_string(Bits);
+  // The last calibration, reused while the same inputs come back (one per needle haystack, say):
+  // k-means over millions of samples costs more than a trial.
+  struct Memo {
+    std::mutex mutex;
+    std::shared_ptr<const std::vector<LayerKV>> calibration;
+    ModelShape shape;
+    std::shared_ptr<const quant::KVQuantTables> tables;
+  };
+  auto memo = std::make_shared<Memo>();
   Policy policy{name, "KVQuant<" + std::to_string(Bits) + ">: nuq" + std::to_string(Bits) +
                           "-1%, pre-RoPE keys, first token exact, calibrated on sample K/V",
-                [name](const ModelShape& shape, CacheConfig config, const PolicyInputs& inputs) -> std::unique_ptr<AnyCache> {
+                [name, memo](const ModelShape& shape, CacheConfig config,
+                             const PolicyInputs& inputs) -> std::unique_ptr<AnyCache> {
                   KVPACK_CHECK(inputs.model_rope && inputs.calibration && !inputs.calibration->empty(), kInvalidArgument,
                                ::kvpack::detail::message(name, " needs PolicyInputs: the model's RoPE and calibration "
                                                                "K/V for each layer"));
                   KVPACK_CHECK(static_cast<index_t>(inputs.calibration->size()) == shape.layers, kInvalidArgument,
                                ::kvpack::detail::message(name, ": calibration has ", inputs.calibration->size(),
                                                          " layers, the model ", shape.layers));
-                  quant::KVQuantCalibrator calibrator(shape, {Bits, 0.01, true, 50, 1});
-                  for (index_t layer = 0; layer < shape.layers; ++layer) {
-                    LayerKV kv = (*inputs.calibration)[layer];
-                    for (index_t t = 0; t < kv.tokens; ++t) {
-                      for (index_t h = 0; h < kv.kv_heads; ++h) {
-                        apply_rope_reference(*inputs.model_rope, kv.head_dim, -static_cast<std::int64_t>(t), kv.key(t, h));
+                  std::lock_guard lock(memo->mutex);
+                  if (memo->calibration != inputs.calibration || !(memo->shape == shape)) {
+                    quant::KVQuantCalibrator calibrator(shape, {Bits, 0.01, true, 50, 1});
+                    const auto rope = RopeTables::shared(*inputs.model_rope, shape.head_dim);
+                    for (index_t layer = 0; layer < shape.layers; ++layer) {
+                      LayerKV kv = (*inputs.calibration)[layer];
+                      for (index_t t = 0; t < kv.tokens; ++t) {
+                        for (index_t h = 0; h < kv.kv_heads; ++h) {
+                          rotate_with_tables(rope->view(), t, (*inputs.calibration)[layer].key(t, h), kv.key(t, h), true);
+                        }
                       }
+                      calibrator.add(layer, kv.keys, kv.values);
                     }
-                    calibrator.add(layer, kv.keys, kv.values);
+                    memo->tables = calibrator.finish();
+                    memo->calibration = inputs.calibration;
+                    memo->shape = shape;
                   }
                   config.key_rope = inputs.model_rope;
                   config.exact_prefix_tokens = std::max<index_t>(config.exact_prefix_tokens, 1);
                   using Cache = KVCache<layout::GQA, quant::KVQuant<Bits>>;
                   return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config),
-                                                               quant::KVQuant<Bits>(calibrator.finish(), 0.01));
+                                                               quant::KVQuant<Bits>(memo->tables, 0.01));
                 },
                 true};
   return policy;

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numbers>
+#include <optional>
 #include <random>
 #include <span>
 #include <vector>
@@ -37,7 +38,10 @@ struct SyntheticSpec {
   float recency_boost = 4.0f;    ///< scaled-score boost at distance 0, decaying over ~100s of tokens
   int content_matches = 3;       ///< random earlier tokens each query asks for
   float content_boost = 8.0f;    ///< their scaled-score boost
-  std::uint32_t seed = 1;
+  std::uint32_t seed = 1;  ///< the "model": each head's recency mean, and the tokens unless token_seed
+  /// Set: the tokens' random draws come from this seed while the model stays seed's — another
+  /// text of the same model (calibration data for offline-calibrated policies).
+  std::optional<std::uint32_t> token_seed{};
 
   void validate() const {
     KVPACK_CHECK(tokens > 0 && kv_heads > 0 && q_heads > 0 && head_dim > 0 && head_dim % 2 == 0 &&
@@ -132,6 +136,7 @@ inline LayerKV make_layer(const SyntheticSpec& spec, index_t layer = 0) {
       kv.recency_means[h * d + 2 * j + 1] = static_cast<float>(2.0 * std::sin(angle));
     }
   }
+  if (spec.token_seed) rng.seed(synthetic_detail::layer_seed(*spec.token_seed, layer));
   const std::vector<double> frequencies = rope_frequencies(d, spec.rope_theta);
   for (index_t t = 0; t < spec.tokens; ++t) {
     for (index_t h = 0; h < spec.kv_heads; ++h) {

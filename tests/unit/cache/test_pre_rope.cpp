@@ -130,3 +130,27 @@ TEST_CASE("pre-RoPE tables are shared between caches and reported apart from tot
   CHECK(with.memory().total() == without.memory().total());
   CHECK(RopeTables::shared(RopeSpec{}, kShape.head_dim) == RopeTables::shared(RopeSpec{}, kShape.head_dim));
 }
+
+TEST_CASE("an exact prefix keeps the first tokens exact and read_back in token order", "[cache][sinks]") {
+  CacheConfig config;
+  config.page_size = 16;
+  config.exact_prefix_tokens = 3;
+  KVCache<layout::GQA, quant::Q4_0> cache(ModelShape{1, 4, 2, 32}, config);
+  const SeqId s = cache.add_sequence();
+  const auto keys = test::random_rows(50 * 2, 32, 11);
+  const auto values = test::random_rows(50 * 2, 32, 12);
+  // Two chunks: the prefix fills from the first, the second starts after it.
+  cache.prefill(s, 0, std::span<const float>(keys).first(2 * 2 * 32), std::span<const float>(values).first(2 * 2 * 32));
+  cache.prefill(s, 0, std::span<const float>(keys).subspan(2 * 2 * 32), std::span<const float>(values).subspan(2 * 2 * 32));
+  CHECK(cache.length(s, 0) == 50);
+  CHECK(cache.pages(s, 0, 1).size() == 2);  // 47 tokens after the prefix: two pages and a tail of 15
+  const StoredTokens stored = cache.read_back(s, 0, 1);
+  REQUIRE(stored.size() == 50);
+  for (index_t t = 0; t < 50; ++t) CHECK(stored.positions[t] == t);
+  for (index_t t = 0; t < 3; ++t) {  // stream 1 of tokens 0..2, exact
+    for (index_t c = 0; c < 32; ++c) CHECK(stored.keys[t * 32 + c] == keys[(t * 2 + 1) * 32 + c]);
+  }
+  double error = 0.0;  // the paged tokens are q4_0, not exact
+  for (index_t c = 0; c < 32; ++c) error += std::fabs(stored.keys[3 * 32 + c] - keys[(3 * 2 + 1) * 32 + c]);
+  CHECK(error > 0.0);
+}

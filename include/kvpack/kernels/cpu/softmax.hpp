@@ -2,6 +2,7 @@
 /// \file softmax.hpp
 /// \brief The online-softmax step and the full-precision row scorer shared by every codec.
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -56,7 +57,8 @@ void softmax_update(A, const SoftmaxArgs& args) noexcept {
   }
 }
 
-/// Scores of full-precision token-major rows (the tail window): one dot product per row and head.
+/// Scores of full-precision token-major rows (the tail window, pre-RoPE keys after rotation): one
+/// dot product per row and head, up to four heads at a time so their FMA chains overlap.
 template <class A>
 void score_rows(A, const RowScoreArgs& args) noexcept {
   using batch = simd::f32<A>;
@@ -64,15 +66,22 @@ void score_rows(A, const RowScoreArgs& args) noexcept {
   const index_t vector_end = args.head_dim - args.head_dim % kWidth;
   for (index_t t = 0; t < args.count; ++t) {
     const float* k = args.rows + t * args.row_stride;
-    for (index_t h = 0; h < args.group; ++h) {
-      const float* q = args.queries + h * args.head_dim;
-      batch lanes(0.0f);
+    for (index_t h0 = 0; h0 < args.group; h0 += 4) {
+      const index_t heads = std::min<index_t>(4, args.group - h0);
+      batch lanes[4] = {batch(0.0f), batch(0.0f), batch(0.0f), batch(0.0f)};
       for (index_t c = 0; c < vector_end; c += kWidth) {
-        lanes = xsimd::fma(batch::load_unaligned(q + c), batch::load_unaligned(k + c), lanes);
+        const batch key = batch::load_unaligned(k + c);
+        KVPACK_UNROLL
+        for (index_t i = 0; i < 4; ++i) {
+          if (i < heads) lanes[i] = xsimd::fma(batch::load_unaligned(args.queries + (h0 + i) * args.head_dim + c), key, lanes[i]);
+        }
       }
-      float sum = simd::reduce_sum<A>(lanes);
-      for (index_t c = vector_end; c < args.head_dim; ++c) sum += q[c] * k[c];
-      args.scores[h * args.score_stride + t] = sum;
+      for (index_t i = 0; i < heads; ++i) {
+        const float* q = args.queries + (h0 + i) * args.head_dim;
+        float sum = simd::reduce_sum<A>(lanes[i]);
+        for (index_t c = vector_end; c < args.head_dim; ++c) sum += q[c] * k[c];
+        args.scores[(h0 + i) * args.score_stride + t] = sum;
+      }
     }
   }
 }
