@@ -28,7 +28,7 @@ std::vector<half> random_halves(std::size_t n, std::uint32_t seed) {
 
 template <class Quantizer>
 void prefill_benchmark(benchmark::State& state, index_t tokens) {
-  KVCache<layout::GQA, Quantizer> cache(kShape);
+  KVCache<layout::GQA, Quantizer> cache(kShape, {}, bench::make_quantizer<Quantizer>(kShape));
   const std::size_t elements = static_cast<std::size_t>(tokens) * kShape.kv_heads * kShape.head_dim;
   const auto keys = random_halves(elements, 1);
   const auto values = random_halves(elements, 2);
@@ -45,7 +45,7 @@ void prefill_benchmark(benchmark::State& state, index_t tokens) {
 
 template <class Quantizer>
 void append_token_benchmark(benchmark::State& state) {
-  KVCache<layout::GQA, Quantizer> cache(kShape);
+  KVCache<layout::GQA, Quantizer> cache(kShape, {}, bench::make_quantizer<Quantizer>(kShape));
   const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
   constexpr std::size_t kDistinctTokens = 256;
   const auto keys = random_halves(kDistinctTokens * row, 3);

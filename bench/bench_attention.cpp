@@ -118,7 +118,7 @@ struct CacheFixture final : AttendFixture {
     };
     ModelShape shape = kLayerShape;
     {
-      const Cache probe(shape, config);
+      const Cache probe(shape, config, bench::make_quantizer<Quantizer>(shape));
       const std::size_t pages = static_cast<std::size_t>(context / probe.config().page_size) * shape.kv_heads;
       bytes_per_layer = pages * probe.page_format_info().payload_bytes;
     }
@@ -126,7 +126,7 @@ struct CacheFixture final : AttendFixture {
                             : static_cast<index_t>(std::max<std::size_t>(
                                   2, (kWorkingSetBytes + bytes_per_layer - 1) / bytes_per_layer));
     layers = shape.layers;
-    cache = std::make_unique<Cache>(shape, config);
+    cache = std::make_unique<Cache>(shape, config, bench::make_quantizer<Quantizer>(shape));
     seq = cache->add_sequence();
     for (index_t layer = 0; layer < shape.layers; ++layer) {
       cache->prefill(seq, layer, std::span<const half>(keys), std::span<const half>(values));

@@ -10,7 +10,7 @@
 /// order statistics, as torch.quantile), f the outlier fraction: with f = 1 % the 0.5th and
 /// 99.5th percentiles. Codebooks are the normal-float levels, or weighted k-means over the
 /// normalised samples that are not outliers (optional per-element weights, e.g. KVQuant's
-/// Fisher information). The first `skip_first_tokens` tokens of each sample sequence (the
+/// Fisher information; at most 2^18 of them, evenly strided). The first `skip_first_tokens` tokens of each sample sequence (the
 /// attention sink, kept exact by the cache) are left out, as KVQuant does.
 
 #include <algorithm>
@@ -157,10 +157,21 @@ class KVQuantCalibrator {
     }
   }
 
+  /// k-means on at most kMaxKmeansSamples of the samples (every k-th: the levels move by far less
+  /// than their spacing, and the main job calibrates many times).
   nuq::Codebook codebook(const std::vector<float>& samples, const std::vector<float>& weights) const {
     if (!options_.kmeans) return nuq::normal_float_codebook(options_.bits);
-    return nuq::kmeans_codebook(options_.bits, samples, weights, options_.max_iterations);
+    const std::size_t stride = samples.size() / kMaxKmeansSamples + 1;
+    if (stride == 1) return nuq::kmeans_codebook(options_.bits, samples, weights, options_.max_iterations);
+    std::vector<float> picked, picked_weights;
+    for (std::size_t i = 0; i < samples.size(); i += stride) {
+      picked.push_back(samples[i]);
+      if (!weights.empty()) picked_weights.push_back(weights[i]);
+    }
+    return nuq::kmeans_codebook(options_.bits, picked, picked_weights, options_.max_iterations);
   }
+
+  static constexpr std::size_t kMaxKmeansSamples = std::size_t{1} << 18;
 
   ModelShape shape_;
   Options options_;

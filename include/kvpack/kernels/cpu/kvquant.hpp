@@ -18,14 +18,24 @@
 
 namespace kvpack::inline v0::kernels::cpu {
 
-/// Writes `count` (a multiple of 8) codes of a packed row through `levels` to out[i · stride].
+/// Writes `count` (a multiple of 8) codes of a packed row through `levels` (16 floats, the
+/// 2^b reconstructed values first) to out[i · stride]. With stride 1 and whole vectors, one
+/// vector of codes at a time (simd::load_codes) looked up in one table permute; otherwise one
+/// code at a time.
 template <int Bits, class A>
 KVPACK_ALWAYS_INLINE void unpack_nuq_row(A, const std::byte* row, index_t count, const float* levels, float* out,
                                          std::size_t stride) noexcept {
+  using batch = simd::f32<A>;
+  constexpr index_t kWidth = static_cast<index_t>(batch::size);
   constexpr std::uint32_t kMask = (1u << Bits) - 1;
+  if (stride == 1 && count % kWidth == 0 && count % 8 == 0) {
+    for (index_t first = 0; first < count; first += kWidth) {
+      simd::lookup16<A>(simd::load_codes<Bits, A>(row, first), levels).store_unaligned(out + first);
+    }
+    return;
+  }
   for (index_t group = 0; group < count / 8; ++group) {
-    std::uint32_t word = 0;
-    std::memcpy(&word, row + static_cast<std::size_t>(group) * Bits, Bits);
+    const auto word = static_cast<std::uint32_t>(simd::load_le<Bits>(row + static_cast<std::size_t>(group) * Bits));
     float* at = out + static_cast<std::size_t>(group) * 8 * stride;
     for (int j = 0; j < 8; ++j) at[j * stride] = levels[(word >> (Bits * j)) & kMask];
   }
@@ -51,7 +61,7 @@ KVPACK_ALWAYS_INLINE void unpack_nuq_keys(A arch, quant::PageGeometry g, const s
                                           const quant::KVQuantKeyParams& p, float* tile, std::size_t t_stride,
                                           std::size_t c_stride) noexcept {
   using Codec = quant::KVQuantKeyCodec<Bits>;
-  float levels[16];
+  alignas(64) float levels[16] = {};
   const int size = p.codebook->size;
   for (index_t c = 0; c < g.head_dim; ++c) {
     for (int k = 0; k < size; ++k) levels[k] = p.codebook->levels[k] * p.half_range[c] + p.offset[c];
@@ -66,7 +76,7 @@ template <int Bits, class A>
 KVPACK_ALWAYS_INLINE void unpack_nuq_values(A arch, quant::PageGeometry g, const std::byte* plane,
                                             const quant::KVQuantValueParams& p, float* tile) noexcept {
   using Codec = quant::KVQuantValueCodec<Bits>;
-  float levels[16];
+  alignas(64) float levels[16] = {};
   const int size = p.codebook->size;
   for (index_t t = 0; t < g.page_size; ++t) {
     std::uint16_t offset_bits, range_bits;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include <xsimd/xsimd.hpp>
 
@@ -97,6 +98,99 @@ KVPACK_ALWAYS_INLINE f32<A> load_bf16(const std::uint16_t* p, requires_arch<xsim
 template <class A>
 KVPACK_ALWAYS_INLINE f32<A> load_bf16(const std::uint16_t* p) noexcept {
   return load_bf16<A>(p, A{});
+}
+
+// --- packed b-bit codes to 32-bit lanes ---------------------------------------------------------
+// `batch::size` consecutive b-bit codes (code j at bit b·j of the little-endian row) starting at
+// code `first` (a multiple of 8), one per lane, built in registers: a vector assembled through a
+// stack buffer stalls on store forwarding, which cost more than the rest of the unpacking.
+
+/// `Bytes` (≤ 8) little-endian bytes as an integer, assembled from whole-width loads in registers.
+template <int Bytes>
+KVPACK_ALWAYS_INLINE std::uint64_t load_le(const std::byte* p) noexcept {
+  if constexpr (Bytes == 8 || Bytes == 4 || Bytes == 2 || Bytes == 1) {
+    using Word = std::conditional_t<Bytes == 8, std::uint64_t,
+                                    std::conditional_t<Bytes == 4, std::uint32_t,
+                                                       std::conditional_t<Bytes == 2, std::uint16_t, std::uint8_t>>>;
+    Word word;
+    std::memcpy(&word, p, sizeof(word));
+    return word;
+  } else {
+    constexpr int kLow = Bytes > 4 ? 4 : (Bytes > 2 ? 2 : 1);
+    return load_le<kLow>(p) | (load_le<Bytes - kLow>(p + kLow) << (8 * kLow));
+  }
+}
+
+#if XSIMD_WITH_AVX512BW
+template <int Bits, class A>
+KVPACK_ALWAYS_INLINE i32<A> load_codes(const std::byte* row, std::int32_t first, requires_arch<xsimd::avx512bw>) noexcept {
+  // 16 codes: 2·b ≤ 8 bytes.
+  const std::uint64_t word = load_le<2 * Bits>(row + static_cast<std::size_t>(first / 8) * Bits);
+  const __m512i all = _mm512_set1_epi64(static_cast<long long>(word));
+  const __m512i low = _mm512_srlv_epi64(all, _mm512_setr_epi64(0, Bits, 2 * Bits, 3 * Bits, 4 * Bits, 5 * Bits,
+                                                                6 * Bits, 7 * Bits));
+  const __m512i high = _mm512_srlv_epi64(all, _mm512_setr_epi64(8 * Bits, 9 * Bits, 10 * Bits, 11 * Bits, 12 * Bits,
+                                                                 13 * Bits, 14 * Bits, 15 * Bits));
+  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(low)),
+                                           _mm512_cvtepi64_epi32(high), 1);
+  return _mm512_and_si512(codes, _mm512_set1_epi32((1 << Bits) - 1));
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <int Bits, class A>
+KVPACK_ALWAYS_INLINE i32<A> load_codes(const std::byte* row, std::int32_t first, requires_arch<xsimd::avx2>) noexcept {
+  // 8 codes: b bytes.
+  const auto word = static_cast<std::uint32_t>(load_le<Bits>(row + static_cast<std::size_t>(first / 8) * Bits));
+  const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                                            _mm256_setr_epi32(0, Bits, 2 * Bits, 3 * Bits, 4 * Bits, 5 * Bits,
+                                                              6 * Bits, 7 * Bits));
+  return _mm256_and_si256(shifted, _mm256_set1_epi32((1 << Bits) - 1));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <int Bits, class A>
+KVPACK_ALWAYS_INLINE i32<A> load_codes(const std::byte* row, std::int32_t first, requires_arch<xsimd::sse2>) noexcept {
+  // The 8 codes around `first`; 4 lanes take half of them.
+  const auto word = static_cast<std::uint32_t>(load_le<Bits>(row + static_cast<std::size_t>(first / 8) * Bits));
+  const int base = first % 8;
+  constexpr std::uint32_t kMask = (1u << Bits) - 1;
+  return _mm_setr_epi32(static_cast<int>((word >> (Bits * base)) & kMask), static_cast<int>((word >> (Bits * (base + 1))) & kMask),
+                        static_cast<int>((word >> (Bits * (base + 2))) & kMask), static_cast<int>((word >> (Bits * (base + 3))) & kMask));
+}
+#endif
+template <int Bits, class A>
+KVPACK_ALWAYS_INLINE i32<A> load_codes(const std::byte* row, std::int32_t first) noexcept {
+  return load_codes<Bits, A>(row, first, A{});
+}
+
+// --- a 16-entry float table indexed per lane -------------------------------------------------
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> lookup16(i32<A> index, const float* table, requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table));
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> lookup16(i32<A> index, const float* table, requires_arch<xsimd::avx2>) noexcept {
+  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), index);
+  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), index);
+  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_cmpgt_epi32(index, _mm256_set1_epi32(7))));
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> lookup16(i32<A> index, const float* table, requires_arch<xsimd::sse2>) noexcept {
+  alignas(16) std::int32_t lanes[4];
+  index.store_aligned(lanes);
+  return _mm_setr_ps(table[lanes[0]], table[lanes[1]], table[lanes[2]], table[lanes[3]]);
+}
+#endif
+/// table[index] per lane; `table` holds 16 floats, every index is in [0, 16).
+template <class A>
+KVPACK_ALWAYS_INLINE f32<A> lookup16(i32<A> index, const float* table) noexcept {
+  return lookup16<A>(index, table, A{});
 }
 
 // --- bytes to 32-bit lanes ------------------------------------------------------------------
