@@ -83,9 +83,10 @@ struct RowScoreArgs {
   const std::size_t blocks = static_cast<std::size_t>(head_dim) / 32 + 1;
   const std::size_t staging = 4 * static_cast<std::size_t>(group) * (head_dim + page_size * blocks + blocks) +
                               4 * static_cast<std::size_t>(page_size) * blocks + 256;
-  // One page decoded to fp32, plus [group][max(page_size, head_dim)] for its reordering.
+  // One page decoded to fp32, plus [group][page_size + 2·head_dim] for its reordering or for
+  // per-head vectors (TurboQuant's rotated query and sketched query, or its rotated sums).
   const std::size_t page_tile = static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) +
-                                static_cast<std::size_t>(group) * static_cast<std::size_t>(page_size + head_dim);
+                                static_cast<std::size_t>(group) * static_cast<std::size_t>(page_size + 2 * head_dim);
   return staging > page_tile ? staging : page_tile;
 }
 

@@ -8,6 +8,7 @@
 #include "kvpack/kernels/cpu/q4_0.hpp"
 #include "kvpack/kernels/cpu/kernels.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
+#include "kvpack/kernels/cpu/turboquant.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
 

@@ -2,7 +2,7 @@
 /// \file precompiled.hpp
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
-/// Every shipped codec is listed (KIVI with its default group of 32). A kernel not listed here (a user's own codec) still works: it
+/// Every shipped codec is listed (KIVI with its default group of 32, QJL with 128 and 256 sign bits). A kernel not listed here (a user's own codec) still works: it
 /// is compiled inline for the including file's own target (`default_arch`).
 
 #include <type_traits>
@@ -14,6 +14,7 @@
 #include "kvpack/quant/kivi.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
+#include "kvpack/quant/turboquant.hpp"
 
 namespace kvpack::inline v0::kernels::cpu::precompiled {
 
@@ -40,6 +41,13 @@ using AccumulateQ8_0 = AccumulateValues<quant::Q8_0Codec<Plane::kValue>>;
 using AccumulateQ4_0 = AccumulateValues<quant::Q4_0Codec<Plane::kValue>>;
 using AccumulateKivi2 = AccumulateValues<quant::KiviValueCodec<2, 32>>;
 using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
+// TurboQuant's rate is a run-time option: one kernel per variant and plane serves every rate.
+using ScoreTurboMse = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kMse, Plane::kKey>>;
+using ScoreTurboProd = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kKey>>;
+using AccumulateTurboMse = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kMse, Plane::kValue>>;
+using AccumulateTurboProd = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kValue>>;
+using ScoreQjl128 = ScoreKeys<quant::QjlKeyCodec<128>>;
+using ScoreQjl256 = ScoreKeys<quant::QjlKeyCodec<256>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -53,7 +61,9 @@ using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
   X(precompiled::AccumulateInt8) X(precompiled::AccumulateQ8_0)                           \
   X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
-  X(precompiled::ScoreKivi4Token) X(SoftmaxUpdate) X(ScoreRows)
+  X(precompiled::ScoreKivi4Token) X(precompiled::ScoreTurboMse) X(precompiled::ScoreTurboProd) \
+  X(precompiled::AccumulateTurboMse) X(precompiled::AccumulateTurboProd)                  \
+  X(precompiled::ScoreQjl128) X(precompiled::ScoreQjl256) X(SoftmaxUpdate) X(ScoreRows)
 
 namespace kvpack::inline v0::kernels::cpu {
 
