@@ -119,6 +119,14 @@ inline std::vector<Policy> builtin_policies() {
       // KIVI as published: group 32, the newest R = 128 tokens kept in full precision.
       make_policy<quant::KIVI<4>>("kivi-4", "KIVI<4, 32>, residual 128: 4-bit keys per channel, values per token", {}, 128),
       make_policy<quant::KIVI<2>>("kivi-2", "KIVI<2, 32>, residual 128: 2-bit keys per channel, values per token", {}, 128),
+      // TurboQuant: every token quantized (no residual); X.5 = half the rotated channels at X+1 bits.
+      make_policy<quant::TurboQuant<8>>("turbo-4", "TurboQuant<4 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<7>>("turbo-3.5", "TurboQuant<3.5 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<6>>("turbo-3", "TurboQuant<3 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<5>>("turbo-2.5", "TurboQuant<2.5 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<6, quant::TurboVariant::kProd>>("turbo-3-prod",
+                                                                     "TurboQuant<3 bits>, Prod keys, MSE values"),
+      make_policy<quant::QJL<>>("qjl", "QJL keys (m = 2·head_dim sign bits), TurboQuant-3 values"),
   };
 }
 

@@ -26,8 +26,8 @@
 /// True bits per element: (row_bits + [Prod] d + 16 · (1 + [Prod])) / d, e.g. d = 128:
 ///   MSE-4 4.125, MSE-3 3.125, MSE-2.5 2.625, Prod-3 3.25 (2-bit codes + 1 sign + two norms).
 ///
-/// QJL<m> (keys only): s = sign(S k) with S an m×d i.i.d. N(0, 1) sketch; stores s (m bits) and
-/// fp16 ‖k‖. Estimator ⟨q, k⟩ ≈ √(π/2)/m · ‖k‖ · ⟨S q, s⟩; decode is the matching linear
+/// QJL<m> (keys only): s = sign(S k) with S an m×d i.i.d. N(0, 1) sketch (m = 2d by default, at
+/// most 2d); stores s (m bits) and fp16 ‖k‖. Estimator ⟨q, k⟩ ≈ √(π/2)/m · ‖k‖ · ⟨S q, s⟩; decode is the matching linear
 /// reconstruction k̃ = √(π/2)/m · ‖k‖ · Sᵀ s, so q·k̃ is exactly the estimator.
 /// Byte format: signs[P][m/8], then fp16 norm[P]. Bits per element (m + 16)/d.
 ///
@@ -411,34 +411,39 @@ class TurboCodec {
   std::shared_ptr<const turbo_detail::TableStore> store_;
 };
 
-/// QJL's key codec: M sign bits of a Gaussian projection and the fp16 norm.
-template <int M>
+/// QJL's key codec: m sign bits of a Gaussian projection and the fp16 norm. The sketch size is a
+/// run-time option (0: m = 2·head_dim, QJL's 2 bits per channel), so one kernel serves every m.
 class QjlKeyCodec {
  public:
-  static_assert(M % 8 == 0 && M >= 8, "the sketch size is whole bytes of sign bits");
   using params_type = turbo_detail::Params;
   static constexpr std::string_view kName = "qjl_key";
   static constexpr Plane kPlane = Plane::kKey;
-  static constexpr int kSketch = M;
 
-  QjlKeyCodec() : QjlKeyCodec(0x514A4C5F4B455953ull) {}
-  explicit QjlKeyCodec(std::uint64_t seed) : seed_(seed), store_(std::make_shared<const turbo_detail::TableStore>()) {}
+  QjlKeyCodec() : QjlKeyCodec(0) {}
+  explicit QjlKeyCodec(index_t sketch_rows, std::uint64_t seed = 0x514A4C5F4B455953ull)
+      : rows_(sketch_rows), seed_(seed), store_(std::make_shared<const turbo_detail::TableStore>()) {}
+
+  /// m for head_dim d.
+  [[nodiscard]] index_t sketch_rows(index_t d) const noexcept { return rows_ > 0 ? rows_ : 2 * d; }
 
   void validate(PageGeometry g) const {
     KVPACK_CHECK(g.head_dim >= 1 && g.head_dim <= kMaxRotationDim, kUnsupported,
                  ::kvpack::detail::message("QJL sketches head_dim 1..", kMaxRotationDim, ", not ", g.head_dim));
-    KVPACK_CHECK(M <= 2 * g.head_dim, kUnsupported,
-                 ::kvpack::detail::message("QJL's kernels take sketches of at most 2·head_dim = ", 2 * g.head_dim,
-                                           " rows, not ", M));
+    const index_t m = sketch_rows(g.head_dim);
+    KVPACK_CHECK(m % 8 == 0 && m <= 2 * g.head_dim, kUnsupported,
+                 ::kvpack::detail::message("QJL's sketch is whole bytes of sign bits and its kernels take at most "
+                                           "2·head_dim = ", 2 * g.head_dim, " rows, not ", m));
   }
-  [[nodiscard]] static constexpr std::size_t sign_bytes() noexcept { return M / 8; }
-  [[nodiscard]] static constexpr std::size_t norms_offset(PageGeometry g) noexcept {
-    return sign_bytes() * static_cast<std::size_t>(g.page_size);
+  [[nodiscard]] std::size_t sign_bytes(index_t d) const noexcept { return static_cast<std::size_t>(sketch_rows(d)) / 8; }
+  [[nodiscard]] std::size_t norms_offset(PageGeometry g) const noexcept {
+    return sign_bytes(g.head_dim) * static_cast<std::size_t>(g.page_size);
   }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
     return norms_offset(g) + 2 * static_cast<std::size_t>(g.page_size);
   }
-  [[nodiscard]] double nominal_bits_per_element(index_t d) const noexcept { return (M + 16.0) / d; }
+  [[nodiscard]] double nominal_bits_per_element(index_t d) const noexcept {
+    return (static_cast<double>(sketch_rows(d)) + 16.0) / d;
+  }
   [[nodiscard]] float max_abs_input() const noexcept { return 2000.0f; }
   [[nodiscard]] params_type initial_params(index_t layer, index_t) const {
     const auto l = static_cast<std::uint32_t>(layer);
@@ -447,9 +452,9 @@ class QjlKeyCodec {
   [[nodiscard]] const turbo_detail::LayerTables& tables(index_t d, const params_type& p) const {
     return store_->get(d, p.layer, [&](turbo_detail::LayerTables& t) {
       t.seed = p.seed;
-      t.sketch = turbo_detail::gaussian_sketch(M, d, p.seed);
+      t.sketch = turbo_detail::gaussian_sketch(sketch_rows(d), d, p.seed);
       t.view.sketch = t.sketch.data();
-      t.view.sketch_rows = M;
+      t.view.sketch_rows = sketch_rows(d);
       t.view.dim = d;
     });
   }
@@ -457,13 +462,14 @@ class QjlKeyCodec {
   void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, const params_type& p, std::byte* dst) const {
     const turbo_detail::LayerView& v = tables(g.head_dim, p).view;
     const index_t d = g.head_dim;
+    const index_t m = v.sketch_rows;
     std::fill(dst, dst + plane_bytes(g), std::byte{0});
     for (index_t t = 0; t < g.page_size; ++t) {
       const float* x = src + t * row_stride;
       double norm2 = 0.0;
       for (index_t c = 0; c < d; ++c) norm2 += static_cast<double>(x[c]) * x[c];
-      std::byte* signs = dst + sign_bytes() * static_cast<std::size_t>(t);
-      for (index_t j = 0; j < M; ++j) {
+      std::byte* signs = dst + sign_bytes(d) * static_cast<std::size_t>(t);
+      for (index_t j = 0; j < m; ++j) {
         const float* s = v.sketch + static_cast<std::size_t>(j) * d;
         double dot = 0.0;
         for (index_t c = 0; c < d; ++c) dot += static_cast<double>(s[c]) * x[c];
@@ -477,24 +483,28 @@ class QjlKeyCodec {
   void decode(PageGeometry g, const std::byte* plane, const params_type& p, float* dst) const {
     const turbo_detail::LayerView& v = tables(g.head_dim, p).view;
     const index_t d = g.head_dim;
+    const index_t m = v.sketch_rows;
     std::vector<double> sum(static_cast<std::size_t>(d));
     for (index_t t = 0; t < g.page_size; ++t) {
-      const std::byte* signs = plane + sign_bytes() * static_cast<std::size_t>(t);
+      const std::byte* signs = plane + sign_bytes(d) * static_cast<std::size_t>(t);
       std::fill(sum.begin(), sum.end(), 0.0);
-      for (index_t j = 0; j < M; ++j) {
+      for (index_t j = 0; j < m; ++j) {
         const double sign = (static_cast<unsigned>(signs[j / 8]) >> (j % 8)) & 1u ? 1.0 : -1.0;
         const float* s = v.sketch + static_cast<std::size_t>(j) * d;
         for (index_t c = 0; c < d; ++c) sum[c] += sign * s[c];
       }
-      const double coef = turbo_detail::kSqrtHalfPi / M *
+      const double coef = turbo_detail::kSqrtHalfPi / m *
                           turbo_detail::load_half(plane + norms_offset(g) + 2 * static_cast<std::size_t>(t));
       for (index_t c = 0; c < d; ++c) dst[static_cast<std::size_t>(t) * d + c] = static_cast<float>(coef * sum[c]);
     }
   }
 
-  friend bool operator==(const QjlKeyCodec& a, const QjlKeyCodec& b) noexcept { return a.seed_ == b.seed_; }
+  friend bool operator==(const QjlKeyCodec& a, const QjlKeyCodec& b) noexcept {
+    return a.rows_ == b.rows_ && a.seed_ == b.seed_;
+  }
 
  private:
+  index_t rows_;
   std::uint64_t seed_;
   std::shared_ptr<const turbo_detail::TableStore> store_;
 };
@@ -522,15 +532,17 @@ struct TurboQuant {
   friend bool operator==(const TurboQuant&, const TurboQuant&) = default;
 };
 
-/// QJL keys (M sign bits + norm) with TurboQuant-MSE values at `ValueHalfBits / 2` bits.
-template <int M, int ValueHalfBits = 4>
+/// QJL keys (M sign bits + norm; M = 0: 2·head_dim) with TurboQuant-MSE values at
+/// `ValueHalfBits / 2` bits.
+template <int M = 0, int ValueHalfBits = 6>
 struct QJL {
-  using key_codec = QjlKeyCodec<M>;
+  using key_codec = QjlKeyCodec;
   using value_codec = TurboCodec<TurboVariant::kMse, Plane::kValue>;
-  key_codec key{};
+  key_codec key{M};
   value_codec value{TurboOptions{TurboQuant<ValueHalfBits>::kRate}};
   static std::string name() {
-    return "qjl" + std::to_string(M) + "_turbo" + std::to_string(ValueHalfBits / 2) + (ValueHalfBits % 2 ? ".5" : "");
+    return "qjl" + (M > 0 ? std::to_string(M) : std::string("2d")) + "_turbo" + std::to_string(ValueHalfBits / 2) +
+           (ValueHalfBits % 2 ? ".5" : "");
   }
   friend bool operator==(const QJL&, const QJL&) = default;
 };

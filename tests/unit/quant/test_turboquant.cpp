@@ -164,7 +164,7 @@ TEST_CASE("QJL's estimator is unbiased with variance (π/2 − ⟨x,y⟩²)/m", 
   const std::size_t n = 100000;
   const auto x = unit_vectors(n, d, 505);
   const auto y = unit_vectors(n, d, 606);
-  const q::QjlKeyCodec<128> codec;
+  const q::QjlKeyCodec codec(128);
   const auto errors = inner_product_errors(x, roundtrip(codec, x, d), y, d);
   const Moments m = moments(errors);
   // E⟨x, y⟩² = 1/d for independent unit vectors.
@@ -177,7 +177,7 @@ TEST_CASE("QJL's estimator is unbiased with variance (π/2 − ⟨x,y⟩²)/m", 
   // m = 256 halves the variance.
   const std::size_t fewer = 32000;
   const std::vector<float> xs(x.begin(), x.begin() + fewer * d), ys(y.begin(), y.begin() + fewer * d);
-  const auto wide = moments(inner_product_errors(xs, roundtrip(q::QjlKeyCodec<256>{}, xs, d), ys, d));
+  const auto wide = moments(inner_product_errors(xs, roundtrip(q::QjlKeyCodec(256), xs, d), ys, d));
   CHECK(std::fabs(wide.mean) <= 3.0 * wide.standard_error);
   CHECK(std::fabs(wide.variance / ((kPi / 2.0 - 1.0 / d) / 256.0) - 1.0) <= 0.10);
 }
@@ -232,10 +232,12 @@ TEST_CASE("TurboQuant's and QJL's planes follow the documented byte format", "[q
   const ProdCodec prod(q::TurboOptions{q::TurboRate::integer(3)});
   CHECK(prod.plane_bytes(g) == (2 * d / 8 + d / 8 + 4) * static_cast<std::size_t>(P));
   CHECK(prod.nominal_bits_per_element(128) == Approx(3.25));
-  const q::QjlKeyCodec<128> qjl;
+  const q::QjlKeyCodec qjl(128);
   CHECK(qjl.plane_bytes(g) == (128 / 8 + 2) * static_cast<std::size_t>(P));
   CHECK(qjl.nominal_bits_per_element(128) == Approx(1.125));
-  CHECK_THROWS_AS(q::QjlKeyCodec<256>{}.validate(PageGeometry{32, 64}), kvpack::Error);  // m > 2d
+  CHECK(q::QjlKeyCodec{}.nominal_bits_per_element(128) == Approx(2.125));  // m = 2d by default
+  CHECK_THROWS_AS(q::QjlKeyCodec(256).validate(PageGeometry{32, 64}), kvpack::Error);  // m > 2d
+  CHECK_THROWS_AS(q::QjlKeyCodec(100).validate(PageGeometry{32, 64}), kvpack::Error);  // not whole bytes
 }
 
 TEST_CASE("TurboQuant validates its options and keeps zero vectors zero", "[quant][turboquant]") {

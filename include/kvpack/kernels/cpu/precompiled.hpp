@@ -2,7 +2,7 @@
 /// \file precompiled.hpp
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
-/// Every shipped codec is listed (KIVI with its default group of 32, QJL with 128 and 256 sign bits). A kernel not listed here (a user's own codec) still works: it
+/// Every shipped codec is listed (KIVI with its default group of 32). A kernel not listed here (a user's own codec) still works: it
 /// is compiled inline for the including file's own target (`default_arch`).
 
 #include <type_traits>
@@ -46,8 +46,7 @@ using ScoreTurboMse = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kMse, Pla
 using ScoreTurboProd = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kKey>>;
 using AccumulateTurboMse = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kMse, Plane::kValue>>;
 using AccumulateTurboProd = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kValue>>;
-using ScoreQjl128 = ScoreKeys<quant::QjlKeyCodec<128>>;
-using ScoreQjl256 = ScoreKeys<quant::QjlKeyCodec<256>>;
+using ScoreQjl = ScoreKeys<quant::QjlKeyCodec>;  // every sketch size
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -63,7 +62,7 @@ using ScoreQjl256 = ScoreKeys<quant::QjlKeyCodec<256>>;
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
   X(precompiled::ScoreKivi4Token) X(precompiled::ScoreTurboMse) X(precompiled::ScoreTurboProd) \
   X(precompiled::AccumulateTurboMse) X(precompiled::AccumulateTurboProd)                  \
-  X(precompiled::ScoreQjl128) X(precompiled::ScoreQjl256) X(SoftmaxUpdate) X(ScoreRows)
+  X(precompiled::ScoreQjl) X(SoftmaxUpdate) X(ScoreRows)
 
 namespace kvpack::inline v0::kernels::cpu {
 

@@ -187,13 +187,14 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
   }
 }
 
-template <int M, class A>
-void score_keys(A arch, std::type_identity<quant::QjlKeyCodec<M>>, const ScoreArgs<quant::turbo_detail::Params>& args) noexcept {
+template <class A>
+void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<quant::turbo_detail::Params>& args) noexcept {
   const PageRun& run = args.run;
   if (run.count == 0) return;
   const index_t d = run.head_dim;
   const index_t P = run.page_size;
   const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(args.params, d);
+  const index_t M = v.sketch_rows;
   // Sketch rows in blocks of at most head_dim, so one block's tile fits the page tile.
   const index_t block = std::min<index_t>(M, d);
   float* tile = args.scratch;                                // [block][P]
