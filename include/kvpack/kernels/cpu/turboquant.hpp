@@ -5,14 +5,15 @@
 ///
 /// Keys: q · x̃ = n · ⟨R q, c[idx]⟩ (+ √(π/2)/d · γ · n · ⟨S R q, s⟩ for Prod), so each call
 /// rotates the group's queries once (and sketches them once), then scores every page straight
-/// from its codes: a page's codes are looked up in the centroid table, times the token's norm,
-/// into a channel-major fp32 tile in L1 that the element-format kernel of float.hpp scores
-/// against the rotated query (the sign bits the same way, as ±coefficients, against S R q).
-/// Values: the call's accumulator is rotated in once, every page adds its rotated-space rows
-/// (c[idx] · n, and Prod's signs into a second, sketch-space sum folded in with Sᵀ once), and
-/// the sum is un-rotated once. attend_stream calls the value kernel once per chunk of 512
-/// tokens, so "once" is once per head per chunk: exact (R is orthogonal, the softmax's rescaling
-/// is linear) and leaves attend_stream and the tail's fp32 accumulation untouched.
+/// from its codes: the codes are looked up in the centroid table (whole bytes at a time) into a
+/// token-major fp32 tile in L1, scored against the rotated query by the full-precision row
+/// scorer, and the per-token norm multiplies the finished scores (the sign bits the same way, as
+/// ±1, against S R q, times √(π/2)/d · n · γ).
+/// Values: the call's accumulator is rotated in once; every page adds its rotated-space rows with
+/// the weights pre-multiplied by the norms (Prod's signs go into a second, sketch-space sum that
+/// Sᵀ folds in once); the sum is un-rotated once. attend_stream calls the value kernel once per
+/// chunk of 512 tokens, so "once" is once per head per chunk: exact (R is orthogonal, the
+/// softmax's rescaling is linear) and leaves attend_stream and the tail's fp32 sums untouched.
 ///
 /// Rotations are computed in double (rotation.hpp), so the rotated query is exact to fp32
 /// rounding. Helpers are always inlined or templated on the arch (STYLE.md §5.2).
@@ -24,13 +25,17 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
+#include "kvpack/kernels/cpu/softmax.hpp"
 #include "kvpack/quant/turboquant.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
 
+/// The most tokens a page holds (CacheConfig: page_size ≤ 256), for per-page factor buffers.
+inline constexpr index_t kMaxPageTokens = 256;
+
 namespace turbo {
 
-/// Scales rows [h][0, rows) of `sketch · x_h` (sketch [rows][dim]) into out[h][rows], in double.
+/// out[j] = (sketch · x)[first + j] for j < rows (sketch [·][dim] row-major), in double.
 KVPACK_ALWAYS_INLINE void sketch_rows(const float* sketch, index_t first_row, index_t rows, index_t dim,
                                       const float* x, float* out) noexcept {
   for (index_t j = 0; j < rows; ++j) {
@@ -41,58 +46,87 @@ KVPACK_ALWAYS_INLINE void sketch_rows(const float* sketch, index_t first_row, in
   }
 }
 
-/// A page's MSE codes as n_t · c[idx_tc]: channel-major (`tile[c·P + t]`) for keys,
-/// token-major (`tile[t·d + c]`) for values.
-template <bool kChannelMajor, class A>
-KVPACK_ALWAYS_INLINE void unpack_codes(A, quant::PageGeometry g, const quant::turbo_detail::LayerView& v,
-                                       const std::byte* plane, float* tile) noexcept {
-  const index_t d = g.head_dim;
-  const index_t P = g.page_size;
+/// `count` codes of `bits` bits starting at bit `bit` of `row`, as centroids (no norm). Whole
+/// bytes at a time when the section starts on a byte (every default rate at head_dim ≥ 8): two
+/// codes per byte at 4 bits, four at 2, eight at 1, eight per three bytes at 3.
+KVPACK_ALWAYS_INLINE void unpack_section(const std::byte* row, std::size_t bit, index_t count, int bits,
+                                         const float* centroids, float* out) noexcept {
+  index_t done = 0;
+  if (bits == 0) {
+    for (index_t c = 0; c < count; ++c) out[c] = centroids[0];
+    return;
+  }
+  if (bit % 8 == 0) {
+    const auto* bytes = reinterpret_cast<const std::uint8_t*>(row) + bit / 8;
+    if (bits == 4) {
+      for (; done + 2 <= count; done += 2) {
+        const unsigned b = bytes[done / 2];
+        out[done] = centroids[b & 15u];
+        out[done + 1] = centroids[b >> 4];
+      }
+    } else if (bits == 2) {
+      for (; done + 4 <= count; done += 4) {
+        const unsigned b = bytes[done / 4];
+        out[done] = centroids[b & 3u];
+        out[done + 1] = centroids[(b >> 2) & 3u];
+        out[done + 2] = centroids[(b >> 4) & 3u];
+        out[done + 3] = centroids[b >> 6];
+      }
+    } else if (bits == 1) {
+      for (; done + 8 <= count; done += 8) {
+        const unsigned b = bytes[done / 8];
+        KVPACK_UNROLL
+        for (int j = 0; j < 8; ++j) out[done + j] = centroids[(b >> j) & 1u];
+      }
+    } else if (bits == 3) {
+      for (; done + 8 <= count; done += 8) {
+        const std::uint8_t* g = bytes + done / 8 * 3;
+        const unsigned w = g[0] | (static_cast<unsigned>(g[1]) << 8) | (static_cast<unsigned>(g[2]) << 16);
+        KVPACK_UNROLL
+        for (int j = 0; j < 8; ++j) out[done + j] = centroids[(w >> (3 * j)) & 7u];
+      }
+    }
+  }
+  for (index_t c = done; c < count; ++c) {
+    out[c] = centroids[quant::turbo_detail::get_bits(row, bit + static_cast<std::size_t>(c) * bits, bits)];
+  }
+}
+
+/// A page's codes as centroids (no norm), token-major: tile[t·d + c].
+KVPACK_ALWAYS_INLINE void unpack_codes(index_t P, const quant::turbo_detail::LayerView& v, const std::byte* plane,
+                                       float* tile) noexcept {
+  const index_t d = v.dim;
   const std::size_t row_bytes = v.row_bytes();
-  const std::byte* norms = plane + v.norms_offset(P);
+  const std::size_t low_bit = v.bit_offset(v.high_channels);
   for (index_t t = 0; t < P; ++t) {
     const std::byte* row = plane + row_bytes * static_cast<std::size_t>(t);
-    const float n = quant::turbo_detail::load_half(norms + 2 * static_cast<std::size_t>(t));
-    float high[quant::turbo_detail::kMaxLevels], low[quant::turbo_detail::kMaxLevels];
-    for (int k = 0; k < (1 << v.high_bits); ++k) high[k] = v.high_centroids[k] * n;
-    for (int k = 0; k < (1 << v.low_bits); ++k) low[k] = v.low_centroids[k] * n;
-    std::size_t bit = 0;
-    for (index_t c = 0; c < d; ++c) {
-      const bool is_high = c < v.high_channels;
-      const int bits = is_high ? v.high_bits : v.low_bits;
-      const unsigned code = bits > 0 ? quant::turbo_detail::get_bits(row, bit, bits) : 0u;
-      bit += static_cast<std::size_t>(bits);
-      const float x = (is_high ? high : low)[code];
-      if constexpr (kChannelMajor) {
-        tile[static_cast<std::size_t>(c) * P + t] = x;
-      } else {
-        tile[static_cast<std::size_t>(t) * d + c] = x;
-      }
+    float* out = tile + static_cast<std::size_t>(t) * d;
+    if (v.high_channels > 0) unpack_section(row, 0, v.high_channels, v.high_bits, v.high_centroids, out);
+    unpack_section(row, low_bit, d - v.high_channels, v.low_bits, v.low_centroids, out + v.high_channels);
+  }
+}
+
+/// Sign bits [first, first + rows) of every token as ±1, token-major: tile[t·rows + j].
+KVPACK_ALWAYS_INLINE void unpack_signs(const std::byte* signs, std::size_t sign_bytes, index_t P, index_t first,
+                                       index_t rows, float* tile) noexcept {
+  static constexpr float kSign[2] = {-1.0f, 1.0f};
+  for (index_t t = 0; t < P; ++t) {
+    const auto* row = reinterpret_cast<const std::uint8_t*>(signs + sign_bytes * static_cast<std::size_t>(t));
+    float* out = tile + static_cast<std::size_t>(t) * rows;
+    for (index_t j = 0; j < rows; ++j) {
+      const index_t bit = first + j;
+      out[j] = kSign[(row[bit / 8] >> (bit % 8)) & 1u];
     }
   }
 }
 
-/// A page's sign bits as ±coef_t (coef_t = √(π/2)/m · scale_t · extra_t), rows [first, first +
-/// rows) of the sketch; channel-major (`tile[j·P + t]`) or token-major (`tile[t·rows + j]`).
-template <bool kChannelMajor>
-KVPACK_ALWAYS_INLINE void unpack_signs(const std::byte* signs, std::size_t sign_bytes, index_t P, index_t first,
-                                       index_t rows, index_t m, const std::byte* scales, const std::byte* extras,
-                                       float* tile) noexcept {
+/// fp16 per-token factors of a page (norms, or √(π/2)/m · norm · γ), into out[P].
+KVPACK_ALWAYS_INLINE void token_factors(index_t P, const std::byte* first, const std::byte* second, float scale,
+                                        float* out) noexcept {
   for (index_t t = 0; t < P; ++t) {
-    const std::byte* row = signs + sign_bytes * static_cast<std::size_t>(t);
-    float coef = static_cast<float>(quant::turbo_detail::kSqrtHalfPi / m) *
-                 quant::turbo_detail::load_half(scales + 2 * static_cast<std::size_t>(t));
-    if (extras != nullptr) coef *= quant::turbo_detail::load_half(extras + 2 * static_cast<std::size_t>(t));
-    for (index_t j = 0; j < rows; ++j) {
-      const index_t bit = first + j;
-      const bool positive = (static_cast<unsigned>(row[bit / 8]) >> (bit % 8)) & 1u;
-      const float x = positive ? coef : -coef;
-      if constexpr (kChannelMajor) {
-        tile[static_cast<std::size_t>(j) * P + t] = x;
-      } else {
-        tile[static_cast<std::size_t>(t) * rows + j] = x;
-      }
-    }
+    float f = scale * quant::turbo_detail::load_half(first + 2 * static_cast<std::size_t>(t));
+    if (second != nullptr) f *= quant::turbo_detail::load_half(second + 2 * static_cast<std::size_t>(t));
+    out[t] = f;
   }
 }
 
@@ -103,6 +137,8 @@ KVPACK_ALWAYS_INLINE PageRun tile_of(const std::byte* const* tile, index_t page_
 
 }  // namespace turbo
 
+// Keys: tile = centroids of one page, token-major; scores = n_t · (R q · tile_t) (+ the sketch
+// term with coef_t = √(π/2)/d · n_t · γ_t for Prod) — the norm multiplies the finished score.
 template <quant::TurboVariant V, class A>
 void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
                 const ScoreArgs<quant::turbo_detail::Params>& args) noexcept {
@@ -111,35 +147,47 @@ void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
   const index_t d = run.head_dim;
   const index_t P = run.page_size;
   const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(args.params, d);
-  float* tile = args.scratch;                                      // [d][P]
-  float* rotated = tile + static_cast<std::size_t>(P) * d;         // [group][d]: R q
+  float* tile = args.scratch;                                            // [P][d]
+  float* rotated = tile + static_cast<std::size_t>(P) * d;               // [group][d]: R q
   float* sketched = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: S R q
-  float* extra = sketched + static_cast<std::size_t>(args.group) * d;    // [group][P]
+  float* extra = sketched + static_cast<std::size_t>(args.group) * d;    // [group][P] sketch scores, then [P] factors
   for (index_t h = 0; h < args.group; ++h) {
     quant::rotate(v.rotation, args.queries + h * d, rotated + h * d);
     if constexpr (V == quant::TurboVariant::kProd) turbo::sketch_rows(v.sketch, 0, d, d, rotated + h * d, sketched + h * d);
   }
-  const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * P;
-    turbo::unpack_codes<true>(arch, quant::PageGeometry{P, d}, v, plane, tile);
-    score_element_keys<float>(arch, ScoreArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {}, rotated, args.group,
-                                                                scores, args.score_stride, nullptr});
+    turbo::unpack_codes(P, v, plane, tile);
+    score_rows(arch, RowScoreArgs{tile, P, d, d, rotated, args.group, scores, args.score_stride});
     if constexpr (V == quant::TurboVariant::kProd) {
-      turbo::unpack_signs<true>(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, d, plane + v.norms_offset(P),
-                                plane + v.gammas_offset(P), tile);
-      score_element_keys<float>(arch, ScoreArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {}, sketched,
-                                                                  args.group, extra, P, nullptr});
+      turbo::unpack_signs(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
+      score_rows(arch, RowScoreArgs{tile, P, d, d, sketched, args.group, extra, P});
+      float coef[kMaxPageTokens];
+      turbo::token_factors(P, plane + v.norms_offset(P), plane + v.gammas_offset(P),
+                           static_cast<float>(quant::turbo_detail::kSqrtHalfPi / d), coef);
+      float norm[kMaxPageTokens];
+      turbo::token_factors(P, plane + v.norms_offset(P), nullptr, 1.0f, norm);
       for (index_t h = 0; h < args.group; ++h) {
-        for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] += extra[h * P + t];
+        float* s = scores + h * args.score_stride;
+        const float* e = extra + h * P;
+        for (index_t t = 0; t < P; ++t) s[t] = norm[t] * s[t] + coef[t] * e[t];
+      }
+    } else {
+      float norm[kMaxPageTokens];
+      turbo::token_factors(P, plane + v.norms_offset(P), nullptr, 1.0f, norm);
+      for (index_t h = 0; h < args.group; ++h) {
+        float* s = scores + h * args.score_stride;
+        for (index_t t = 0; t < P; ++t) s[t] *= norm[t];
       }
     }
     if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
   }
 }
 
+// Values: the norm (and Prod's coefficient) multiplies the weights, so the tile is centroids
+// (or ±1) only; the sums stay in the rotated (and sketch) space until the end of the call.
 template <quant::TurboVariant V, class A>
 void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kValue>>,
                        const AccumulateArgs<quant::turbo_detail::Params>& args) noexcept {
@@ -150,26 +198,36 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
   const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(args.params, d);
   float* tile = args.scratch;                                              // [P][d]
   float* rotated = tile + static_cast<std::size_t>(P) * d;                 // [group][d]: R acc
-  float* sketch_sum = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: Σ w ±coef
+  float* sketch_sum = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: Σ w coef ±1
+  float* weights = sketch_sum + static_cast<std::size_t>(args.group) * d;  // [group][P]
   for (index_t h = 0; h < args.group; ++h) quant::rotate(v.rotation, args.acc + h * d, rotated + h * d);
   if constexpr (V == quant::TurboVariant::kProd) {
     std::fill(sketch_sum, sketch_sum + static_cast<std::size_t>(args.group) * d, 0.0f);
   }
   const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
+  auto scaled_weights = [&](const float* w, const float* factor) KVPACK_ALWAYS_INLINE_LAMBDA {
+    for (index_t h = 0; h < args.group; ++h) {
+      for (index_t t = 0; t < P; ++t) weights[h * P + t] = w[h * args.weight_stride + t] * factor[t];
+    }
+  };
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     const float* w = args.weights + i * P;
+    float factor[kMaxPageTokens];
     // Dead slots carry weight 0, so their rows add nothing.
-    turbo::unpack_codes<false>(arch, quant::PageGeometry{P, d}, v, plane, tile);
-    accumulate_element_values<float>(arch, AccumulateArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {}, w,
-                                                                             args.weight_stride, args.group, rotated,
-                                                                             nullptr});
+    turbo::token_factors(P, plane + v.norms_offset(P), nullptr, 1.0f, factor);
+    scaled_weights(w, factor);
+    turbo::unpack_codes(P, v, plane, tile);
+    accumulate_element_values<float>(arch, AccumulateArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {}, weights,
+                                                                             P, args.group, rotated, nullptr});
     if constexpr (V == quant::TurboVariant::kProd) {
-      turbo::unpack_signs<false>(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, d, plane + v.norms_offset(P),
-                                 plane + v.gammas_offset(P), tile);
-      accumulate_element_values<float>(arch, AccumulateArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {}, w,
-                                                                               args.weight_stride, args.group,
-                                                                               sketch_sum, nullptr});
+      turbo::token_factors(P, plane + v.norms_offset(P), plane + v.gammas_offset(P),
+                           static_cast<float>(quant::turbo_detail::kSqrtHalfPi / d), factor);
+      scaled_weights(w, factor);
+      turbo::unpack_signs(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
+      accumulate_element_values<float>(arch, AccumulateArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {},
+                                                                               weights, P, args.group, sketch_sum,
+                                                                               nullptr});
     }
   }
   for (index_t h = 0; h < args.group; ++h) {
@@ -177,16 +235,20 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
     if constexpr (V == quant::TurboVariant::kProd) {
       // r += Sᵀ · sketch_sum, in double.
       const float* z = sketch_sum + h * d;
-      for (index_t c = 0; c < d; ++c) {
-        double sum = r[c];
-        for (index_t j = 0; j < d; ++j) sum += static_cast<double>(v.sketch[static_cast<std::size_t>(j) * d + c]) * z[j];
-        r[c] = static_cast<float>(sum);
+      double sum[quant::kMaxRotationDim];
+      for (index_t c = 0; c < d; ++c) sum[c] = r[c];
+      for (index_t j = 0; j < d; ++j) {
+        const float* row = v.sketch + static_cast<std::size_t>(j) * d;
+        const double zj = z[j];
+        for (index_t c = 0; c < d; ++c) sum[c] += static_cast<double>(row[c]) * zj;
       }
+      for (index_t c = 0; c < d; ++c) r[c] = static_cast<float>(sum[c]);
     }
     quant::unrotate(v.rotation, r, args.acc + h * d);
   }
 }
 
+// QJL keys: scores = √(π/2)/m · ‖k‖ · ⟨S q, s⟩, the sketch in blocks of at most head_dim rows.
 template <class A>
 void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<quant::turbo_detail::Params>& args) noexcept {
   const PageRun& run = args.run;
@@ -195,10 +257,9 @@ void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<
   const index_t P = run.page_size;
   const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(args.params, d);
   const index_t M = v.sketch_rows;
-  // Sketch rows in blocks of at most head_dim, so one block's tile fits the page tile.
   const index_t block = std::min<index_t>(M, d);
-  float* tile = args.scratch;                                // [block][P]
-  float* sketched = tile + static_cast<std::size_t>(P) * d;  // per block: [group][rows] of S q (M ≤ 2d)
+  float* tile = args.scratch;                                          // [P][block]
+  float* sketched = tile + static_cast<std::size_t>(P) * d;            // per block: [group][rows] of S q (M ≤ 2d)
   float* extra = sketched + static_cast<std::size_t>(args.group) * M;  // [group][P]
   for (index_t first = 0; first < M; first += block) {
     const index_t rows = std::min<index_t>(block, M - first);
@@ -207,23 +268,26 @@ void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<
                          sketched + static_cast<std::size_t>(args.group) * first + h * rows);
     }
   }
-  const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * P;
     for (index_t first = 0; first < M; first += block) {
       const index_t rows = std::min<index_t>(block, M - first);
-      turbo::unpack_signs<true>(plane, v.sign_bytes(), P, first, rows, M, plane + v.norms_offset(P), nullptr, tile);
-      score_element_keys<float>(arch, ScoreArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, rows), {},
-                                                                  sketched + static_cast<std::size_t>(args.group) * first,
-                                                                  args.group, first == 0 ? scores : extra,
-                                                                  first == 0 ? args.score_stride : P, nullptr});
+      turbo::unpack_signs(plane, v.sign_bytes(), P, first, rows, tile);
+      score_rows(arch, RowScoreArgs{tile, P, rows, rows, sketched + static_cast<std::size_t>(args.group) * first,
+                                    args.group, first == 0 ? scores : extra, first == 0 ? args.score_stride : P});
       if (first > 0) {
         for (index_t h = 0; h < args.group; ++h) {
           for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] += extra[h * P + t];
         }
       }
+    }
+    float coef[kMaxPageTokens];
+    turbo::token_factors(P, plane + v.norms_offset(P), nullptr, static_cast<float>(quant::turbo_detail::kSqrtHalfPi / M),
+                         coef);
+    for (index_t h = 0; h < args.group; ++h) {
+      for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] *= coef[t];
     }
     if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
   }
