@@ -262,6 +262,7 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
 namespace {
 
 using TurboMse3 = kvpack::quant::TurboQuant<6>;
+using TurboMse4 = kvpack::quant::TurboQuant<8>;
 using TurboProd4 = kvpack::quant::TurboQuant<8, kvpack::quant::TurboVariant::kProd, kvpack::quant::TurboVariant::kProd>;
 using TurboHalf25 = kvpack::quant::TurboQuant<5, kvpack::quant::TurboVariant::kProd>;
 using Qjl128 = kvpack::quant::QJL<128, 7>;
@@ -269,11 +270,12 @@ using Qjl128 = kvpack::quant::QJL<128, 7>;
 }  // namespace
 
 TEMPLATE_TEST_CASE("every ISA matches the reference for TurboQuant and QJL (keys scored in the rotated space)",
-                   "[kernels][cpu][turboquant]", TurboMse3, TurboProd4, TurboHalf25, Qjl128) {
+                   "[kernels][cpu][turboquant]", TurboMse3, TurboMse4, TurboProd4, TurboHalf25, Qjl128) {
   struct Case {
     index_t page_size, head_dim, pages, tail, group;
   };
-  // Power-of-two head_dim (Hadamard) and 96 (dense rotation); more than one 512-token chunk.
+  // Power-of-two head_dim (Hadamard) and 96 (dense rotation); more than one 512-token chunk;
+  // 4- and 2-bit sections unpack sliced on AVX2/AVX-512 where whole vectors of bytes fit.
   const Case cases[] = {{32, 128, 20, 0, 4}, {32, 128, 3, 17, 8}, {16, 64, 5, 0, 1},
                         {64, 128, 2, 63, 2}, {32, 96, 3, 5, 3},   {16, 128, 0, 9, 4}};
   for (const Case& c : cases) {

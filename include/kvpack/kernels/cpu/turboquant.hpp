@@ -92,17 +92,136 @@ KVPACK_ALWAYS_INLINE void unpack_section(const std::byte* row, std::size_t bit, 
   }
 }
 
-/// A page's codes as centroids (no norm), token-major: tile[t·d + c].
+/// Whether A looks up 16-entry float tables in registers (vpermps): AVX-512 and AVX2.
+template <class A>
+inline constexpr bool kHasTableLookup = std::is_base_of_v<xsimd::avx512bw, A> || std::is_base_of_v<xsimd::avx2, A>;
+
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE simd::f32<A> lookup16(const float* table, simd::i32<A> codes,
+                                           simd::requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_permutexvar_ps(codes, _mm512_loadu_ps(table));
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <class A>
+KVPACK_ALWAYS_INLINE simd::f32<A> lookup16(const float* table, simd::i32<A> codes,
+                                           simd::requires_arch<xsimd::avx2>) noexcept {
+  const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), codes);
+  const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), codes);
+  // Bit 3 of the code picks the upper half: moved to the sign bit, blendv's selector.
+  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+}
+#endif
+/// table[codes[i]] in every lane (table holds 16 floats).
+template <class A>
+KVPACK_ALWAYS_INLINE simd::f32<A> lookup16(const float* table, simd::i32<A> codes) noexcept {
+  return lookup16<A>(table, codes, A{});
+}
+
+/// Whether a section of `count` codes of `bits` bits starting at bit `bit` unpacks in the sliced
+/// order on A: 2- or 4-bit codes, byte-aligned, whole vectors of bytes.
+template <class A>
+constexpr bool section_sliced(std::size_t bit, index_t count, int bits) noexcept {
+  if constexpr (!kHasTableLookup<A>) {
+    return false;
+  } else {
+    constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+    return (bits == 2 || bits == 4) && bit % 8 == 0 && (count * bits / 8) % kWidth == 0 && count * bits % 8 == 0;
+  }
+}
+
+/// Where the sliced order puts code e of a sliced section: vectors of W bytes, within one code
+/// j of every byte together (j = e % (8/b)), then the next j.
+template <class A>
+constexpr index_t sliced_index(index_t e, int bits) noexcept {
+  constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+  const index_t per_byte = 8 / bits;
+  const index_t byte = e / per_byte;
+  return byte / kWidth * (kWidth * per_byte) + e % per_byte * kWidth + byte % kWidth;
+}
+
+/// A sliced section: whole vectors of bytes widened, each code shifted out, masked and looked up.
+template <class A>
+KVPACK_ALWAYS_INLINE void unpack_section_sliced(const std::byte* row, std::size_t bit, index_t count, int bits,
+                                                const float* centroids, float* out) noexcept {
+  if constexpr (kHasTableLookup<A>) {
+    constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+    const auto* bytes = reinterpret_cast<const std::uint8_t*>(row) + bit / 8;
+    const index_t total = count * bits / 8;
+    const simd::i32<A> mask((1 << bits) - 1);
+    if (bits == 4) {
+      for (index_t q0 = 0; q0 < total; q0 += kWidth) {
+        const simd::i32<A> packed = simd::load_u8<A>(bytes + q0);
+        lookup16<A>(centroids, packed & mask).store_unaligned(out + 2 * q0);
+        lookup16<A>(centroids, packed >> 4).store_unaligned(out + 2 * q0 + kWidth);
+      }
+    } else {
+      for (index_t q0 = 0; q0 < total; q0 += kWidth) {
+        const simd::i32<A> packed = simd::load_u8<A>(bytes + q0);
+        KVPACK_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          lookup16<A>(centroids, (packed >> (2 * j)) & mask).store_unaligned(out + 4 * q0 + j * kWidth);
+        }
+      }
+    }
+  }
+}
+
+/// The channel order a page row unpacks in on A: perm[c] = where channel c lands. Returns false
+/// (and leaves perm alone) when it is the channel order itself.
+template <class A>
+KVPACK_ALWAYS_INLINE bool row_order(const quant::turbo_detail::LayerView& v, index_t* perm) noexcept {
+  const index_t d = v.dim;
+  const index_t high = v.high_channels;
+  const std::size_t low_bit = v.bit_offset(high);
+  const bool high_sliced = high > 0 && section_sliced<A>(0, high, v.high_bits);
+  const bool low_sliced = section_sliced<A>(low_bit, d - high, v.low_bits);
+  if (!high_sliced && !low_sliced) return false;
+  for (index_t c = 0; c < high; ++c) perm[c] = high_sliced ? sliced_index<A>(c, v.high_bits) : c;
+  for (index_t c = high; c < d; ++c) perm[c] = high + (low_sliced ? sliced_index<A>(c - high, v.low_bits) : c - high);
+  return true;
+}
+
+/// A page's codes as centroids (no norm), token-major: tile[t·d + perm(c)] with perm the
+/// row_order of A.
+template <class A>
 KVPACK_ALWAYS_INLINE void unpack_codes(index_t P, const quant::turbo_detail::LayerView& v, const std::byte* plane,
                                        float* tile) noexcept {
   const index_t d = v.dim;
+  const index_t high = v.high_channels;
   const std::size_t row_bytes = v.row_bytes();
-  const std::size_t low_bit = v.bit_offset(v.high_channels);
+  const std::size_t low_bit = v.bit_offset(high);
+  const bool high_sliced = high > 0 && section_sliced<A>(0, high, v.high_bits);
+  const bool low_sliced = section_sliced<A>(low_bit, d - high, v.low_bits);
   for (index_t t = 0; t < P; ++t) {
     const std::byte* row = plane + row_bytes * static_cast<std::size_t>(t);
     float* out = tile + static_cast<std::size_t>(t) * d;
-    if (v.high_channels > 0) unpack_section(row, 0, v.high_channels, v.high_bits, v.high_centroids, out);
-    unpack_section(row, low_bit, d - v.high_channels, v.low_bits, v.low_centroids, out + v.high_channels);
+    if (high > 0) {
+      if (high_sliced) {
+        unpack_section_sliced<A>(row, 0, high, v.high_bits, v.high_centroids, out);
+      } else {
+        unpack_section(row, 0, high, v.high_bits, v.high_centroids, out);
+      }
+    }
+    if (low_sliced) {
+      unpack_section_sliced<A>(row, low_bit, d - high, v.low_bits, v.low_centroids, out + high);
+    } else {
+      unpack_section(row, low_bit, d - high, v.low_bits, v.low_centroids, out + high);
+    }
+  }
+}
+
+/// x in the order `perm` (out[perm[c]] = x[c]), or back (inverse: out[c] = x[perm[c]]).
+KVPACK_ALWAYS_INLINE void permute(const index_t* perm, index_t d, float* x, bool inverse) noexcept {
+  float copy[quant::kMaxRotationDim];
+  for (index_t c = 0; c < d; ++c) copy[c] = x[c];
+  for (index_t c = 0; c < d; ++c) {
+    if (inverse) {
+      x[c] = copy[perm[c]];
+    } else {
+      x[perm[c]] = copy[c];
+    }
   }
 }
 
@@ -151,15 +270,18 @@ void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
   float* rotated = tile + static_cast<std::size_t>(P) * d;               // [group][d]: R q
   float* sketched = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: S R q
   float* extra = sketched + static_cast<std::size_t>(args.group) * d;    // [group][P] sketch scores, then [P] factors
+  index_t perm[quant::kMaxRotationDim];
+  const bool sliced = turbo::row_order<A>(v, perm);
   for (index_t h = 0; h < args.group; ++h) {
     quant::rotate(v.rotation, args.queries + h * d, rotated + h * d);
     if constexpr (V == quant::TurboVariant::kProd) turbo::sketch_rows(v.sketch, 0, d, d, rotated + h * d, sketched + h * d);
+    if (sliced) turbo::permute(perm, d, rotated + h * d, false);  // the tile's channel order
   }
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * P;
-    turbo::unpack_codes(P, v, plane, tile);
+    turbo::unpack_codes<A>(P, v, plane, tile);
     score_rows(arch, RowScoreArgs{tile, P, d, d, rotated, args.group, scores, args.score_stride});
     if constexpr (V == quant::TurboVariant::kProd) {
       turbo::unpack_signs(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
@@ -200,7 +322,12 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
   float* rotated = tile + static_cast<std::size_t>(P) * d;                 // [group][d]: R acc
   float* sketch_sum = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: Σ w coef ±1
   float* weights = sketch_sum + static_cast<std::size_t>(args.group) * d;  // [group][P]
-  for (index_t h = 0; h < args.group; ++h) quant::rotate(v.rotation, args.acc + h * d, rotated + h * d);
+  index_t perm[quant::kMaxRotationDim];
+  const bool sliced = turbo::row_order<A>(v, perm);
+  for (index_t h = 0; h < args.group; ++h) {
+    quant::rotate(v.rotation, args.acc + h * d, rotated + h * d);
+    if (sliced) turbo::permute(perm, d, rotated + h * d, false);  // the tile's channel order
+  }
   if constexpr (V == quant::TurboVariant::kProd) {
     std::fill(sketch_sum, sketch_sum + static_cast<std::size_t>(args.group) * d, 0.0f);
   }
@@ -217,7 +344,7 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
     // Dead slots carry weight 0, so their rows add nothing.
     turbo::token_factors(P, plane + v.norms_offset(P), nullptr, 1.0f, factor);
     scaled_weights(w, factor);
-    turbo::unpack_codes(P, v, plane, tile);
+    turbo::unpack_codes<A>(P, v, plane, tile);
     accumulate_element_values<float>(arch, AccumulateArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {}, weights,
                                                                              P, args.group, rotated, nullptr});
     if constexpr (V == quant::TurboVariant::kProd) {
@@ -232,6 +359,7 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
   }
   for (index_t h = 0; h < args.group; ++h) {
     float* r = rotated + h * d;
+    if (sliced) turbo::permute(perm, d, r, true);
     if constexpr (V == quant::TurboVariant::kProd) {
       // r += Sᵀ · sketch_sum, in double.
       const float* z = sketch_sum + h * d;
