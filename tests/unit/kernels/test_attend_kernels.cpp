@@ -275,7 +275,7 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for TurboQuant and QJL (keys
     index_t page_size, head_dim, pages, tail, group;
   };
   // Power-of-two head_dim (Hadamard) and 96 (dense rotation); more than one 512-token chunk;
-  // 4- and 2-bit sections unpack sliced on AVX2/AVX-512 where whole vectors of bytes fit.
+  // 4-, 3- and 2-bit sections unpack sliced on AVX2/AVX-512 where whole vectors of units fit.
   const Case cases[] = {{32, 128, 20, 0, 4}, {32, 128, 3, 17, 8}, {16, 64, 5, 0, 1},
                         {64, 128, 2, 63, 2}, {32, 96, 3, 5, 3},   {16, 128, 0, 9, 4}};
   for (const Case& c : cases) {

@@ -46,9 +46,10 @@ KVPACK_ALWAYS_INLINE void sketch_rows(const float* sketch, index_t first_row, in
   }
 }
 
-/// `count` codes of `bits` bits starting at bit `bit` of `row`, as centroids (no norm). Whole
-/// bytes at a time when the section starts on a byte (every default rate at head_dim ≥ 8): two
-/// codes per byte at 4 bits, four at 2, eight at 1, eight per three bytes at 3.
+/// `count` codes of `bits` bits starting at bit `bit` of `row`, as centroids (no norm), in order
+/// (SSE2, and sections whose sizes do not fill whole vectors). Whole bytes at a time when the
+/// section starts on a byte: two codes per byte at 4 bits, four at 2, eight at 1, eight per
+/// three bytes at 3.
 KVPACK_ALWAYS_INLINE void unpack_section(const std::byte* row, std::size_t bit, index_t count, int bits,
                                          const float* centroids, float* out) noexcept {
   index_t done = 0;
@@ -113,6 +114,26 @@ KVPACK_ALWAYS_INLINE simd::f32<A> lookup16(const float* table, simd::i32<A> code
   return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
 }
 #endif
+#if XSIMD_WITH_AVX512BW
+template <class A>
+KVPACK_ALWAYS_INLINE simd::i32<A> gather_words(const std::uint8_t* base, simd::i32<A> byte_offsets,
+                                               simd::requires_arch<xsimd::avx512bw>) noexcept {
+  return _mm512_i32gather_epi32(byte_offsets, base, 1);
+}
+#endif
+#if XSIMD_WITH_AVX2
+template <class A>
+KVPACK_ALWAYS_INLINE simd::i32<A> gather_words(const std::uint8_t* base, simd::i32<A> byte_offsets,
+                                               simd::requires_arch<xsimd::avx2>) noexcept {
+  return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), byte_offsets, 1);
+}
+#endif
+/// The 32-bit little-endian words at base + byte_offsets[i] (unaligned).
+template <class A>
+KVPACK_ALWAYS_INLINE simd::i32<A> gather_words(const std::uint8_t* base, simd::i32<A> byte_offsets) noexcept {
+  return gather_words<A>(base, byte_offsets, A{});
+}
+
 /// table[codes[i]] in every lane (table holds 16 floats).
 template <class A>
 KVPACK_ALWAYS_INLINE simd::f32<A> lookup16(const float* table, simd::i32<A> codes) noexcept {
@@ -127,21 +148,25 @@ constexpr bool section_sliced(std::size_t bit, index_t count, int bits) noexcept
     return false;
   } else {
     constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
-    return (bits == 2 || bits == 4) && bit % 8 == 0 && (count * bits / 8) % kWidth == 0 && count * bits % 8 == 0;
+    if (bit % 8 != 0) return false;
+    if (bits == 3) return count % (8 * kWidth) == 0;  // one 3-byte group of 8 codes per lane
+    return (bits == 2 || bits == 4) && count * bits % 8 == 0 && (count * bits / 8) % kWidth == 0;
   }
 }
 
-/// Where the sliced order puts code e of a sliced section: vectors of W bytes, within one code
-/// j of every byte together (j = e % (8/b)), then the next j.
+/// Where the sliced order puts code e of a sliced section. A unit is one byte (8/b codes) at 2
+/// and 4 bits, three bytes (8 codes) at 3; vectors of W units are unpacked together, code j of
+/// every unit side by side (j = e mod codes per unit), then the next j.
 template <class A>
 constexpr index_t sliced_index(index_t e, int bits) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
-  const index_t per_byte = 8 / bits;
-  const index_t byte = e / per_byte;
-  return byte / kWidth * (kWidth * per_byte) + e % per_byte * kWidth + byte % kWidth;
+  const index_t per_unit = bits == 3 ? 8 : 8 / bits;
+  const index_t unit = e / per_unit;
+  return unit / kWidth * (kWidth * per_unit) + e % per_unit * kWidth + unit % kWidth;
 }
 
-/// A sliced section: whole vectors of bytes widened, each code shifted out, masked and looked up.
+/// A sliced section: whole vectors of units widened (or gathered, at 3 bits), each code shifted
+/// out, masked and looked up.
 template <class A>
 KVPACK_ALWAYS_INLINE void unpack_section_sliced(const std::byte* row, std::size_t bit, index_t count, int bits,
                                                 const float* centroids, float* out) noexcept {
@@ -150,7 +175,19 @@ KVPACK_ALWAYS_INLINE void unpack_section_sliced(const std::byte* row, std::size_
     const auto* bytes = reinterpret_cast<const std::uint8_t*>(row) + bit / 8;
     const index_t total = count * bits / 8;
     const simd::i32<A> mask((1 << bits) - 1);
-    if (bits == 4) {
+    if (bits == 3) {
+      // Lane i reads the 32-bit word at byte 3i of its group of W units: the word's low 24 bits
+      // are the unit's 8 codes (the one byte beyond is still inside the plane: the norms follow).
+      alignas(64) const std::int32_t kUnitBytes[16] = {0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42, 45};
+      const simd::i32<A> offsets = simd::i32<A>::load_aligned(kUnitBytes);
+      for (index_t u0 = 0; u0 < count / 8; u0 += kWidth) {
+        const simd::i32<A> words = gather_words<A>(bytes + 3 * u0, offsets);
+        KVPACK_UNROLL
+        for (int j = 0; j < 8; ++j) {
+          lookup16<A>(centroids, (words >> (3 * j)) & mask).store_unaligned(out + 8 * u0 + j * kWidth);
+        }
+      }
+    } else if (bits == 4) {
       for (index_t q0 = 0; q0 < total; q0 += kWidth) {
         const simd::i32<A> packed = simd::load_u8<A>(bytes + q0);
         lookup16<A>(centroids, packed & mask).store_unaligned(out + 2 * q0);
