@@ -262,16 +262,59 @@ KVPACK_ALWAYS_INLINE void permute(const index_t* perm, index_t d, float* x, bool
   }
 }
 
-/// Sign bits [first, first + rows) of every token as ±1, token-major: tile[t·rows + j].
+/// Whether sign bits [first, first + rows) unpack sliced on A (one byte = 8 signs per lane).
+template <class A>
+constexpr bool signs_sliced(index_t first, index_t rows) noexcept {
+  if constexpr (!kHasTableLookup<A>) {
+    return false;
+  } else {
+    return first % 8 == 0 && rows % (8 * static_cast<index_t>(simd::f32<A>::size)) == 0;
+  }
+}
+
+/// Sign bits [first, first + rows) of every token as ±1, token-major: tile[t·rows + perm(j)]
+/// with perm the sliced order (sliced_index at 1 bit) when signs_sliced, else j.
+template <class A>
 KVPACK_ALWAYS_INLINE void unpack_signs(const std::byte* signs, std::size_t sign_bytes, index_t P, index_t first,
                                        index_t rows, float* tile) noexcept {
-  static constexpr float kSign[2] = {-1.0f, 1.0f};
+  if constexpr (kHasTableLookup<A>) {
+    if (signs_sliced<A>(first, rows)) {
+      constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+      const float table[16] = {-1.0f, 1.0f};
+      const simd::i32<A> one(1);
+      for (index_t t = 0; t < P; ++t) {
+        const auto* row = reinterpret_cast<const std::uint8_t*>(signs + sign_bytes * static_cast<std::size_t>(t)) + first / 8;
+        float* out = tile + static_cast<std::size_t>(t) * rows;
+        for (index_t q0 = 0; q0 < rows / 8; q0 += kWidth) {
+          const simd::i32<A> packed = simd::load_u8<A>(row + q0);
+          KVPACK_UNROLL
+          for (int j = 0; j < 8; ++j) lookup16<A>(table, (packed >> j) & one).store_unaligned(out + 8 * q0 + j * kWidth);
+        }
+      }
+      return;
+    }
+  }
   for (index_t t = 0; t < P; ++t) {
     const auto* row = reinterpret_cast<const std::uint8_t*>(signs + sign_bytes * static_cast<std::size_t>(t));
     float* out = tile + static_cast<std::size_t>(t) * rows;
     for (index_t j = 0; j < rows; ++j) {
       const index_t bit = first + j;
-      out[j] = kSign[(row[bit / 8] >> (bit % 8)) & 1u];
+      out[j] = ((row[bit / 8] >> (bit % 8)) & 1u) != 0 ? 1.0f : -1.0f;
+    }
+  }
+}
+
+/// x[0, rows) into the sliced order of signs_sliced (or back, `inverse`), when it applies.
+template <class A>
+KVPACK_ALWAYS_INLINE void permute_signs(index_t first, index_t rows, float* x, bool inverse) noexcept {
+  if (!signs_sliced<A>(first, rows)) return;
+  float copy[quant::kMaxRotationDim];
+  for (index_t j = 0; j < rows; ++j) copy[j] = x[j];
+  for (index_t j = 0; j < rows; ++j) {
+    if (inverse) {
+      x[j] = copy[sliced_index<A>(j, 1)];
+    } else {
+      x[sliced_index<A>(j, 1)] = copy[j];
     }
   }
 }
@@ -311,8 +354,11 @@ void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
   const bool sliced = turbo::row_order<A>(v, perm);
   for (index_t h = 0; h < args.group; ++h) {
     quant::rotate(v.rotation, args.queries + h * d, rotated + h * d);
-    if constexpr (V == quant::TurboVariant::kProd) turbo::sketch_rows(v.sketch, 0, d, d, rotated + h * d, sketched + h * d);
-    if (sliced) turbo::permute(perm, d, rotated + h * d, false);  // the tile's channel order
+    if constexpr (V == quant::TurboVariant::kProd) {
+      turbo::sketch_rows(v.sketch, 0, d, d, rotated + h * d, sketched + h * d);
+      turbo::permute_signs<A>(0, d, sketched + h * d, false);  // the sign tile's order
+    }
+    if (sliced) turbo::permute(perm, d, rotated + h * d, false);  // the code tile's channel order
   }
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
@@ -321,7 +367,7 @@ void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
     turbo::unpack_codes<A>(P, v, plane, tile);
     score_rows(arch, RowScoreArgs{tile, P, d, d, rotated, args.group, scores, args.score_stride});
     if constexpr (V == quant::TurboVariant::kProd) {
-      turbo::unpack_signs(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
+      turbo::unpack_signs<A>(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
       score_rows(arch, RowScoreArgs{tile, P, d, d, sketched, args.group, extra, P});
       float coef[kMaxPageTokens];
       turbo::token_factors(P, plane + v.norms_offset(P), plane + v.gammas_offset(P),
@@ -388,7 +434,7 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
       turbo::token_factors(P, plane + v.norms_offset(P), plane + v.gammas_offset(P),
                            static_cast<float>(quant::turbo_detail::kSqrtHalfPi / d), factor);
       scaled_weights(w, factor);
-      turbo::unpack_signs(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
+      turbo::unpack_signs<A>(plane + v.signs_offset(P), v.sign_bytes(), P, 0, d, tile);
       accumulate_element_values<float>(arch, AccumulateArgs<quant::NoParams>{turbo::tile_of(&tile_page, P, d), {},
                                                                                weights, P, args.group, sketch_sum,
                                                                                nullptr});
@@ -399,7 +445,8 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
     if (sliced) turbo::permute(perm, d, r, true);
     if constexpr (V == quant::TurboVariant::kProd) {
       // r += Sᵀ · sketch_sum, in double.
-      const float* z = sketch_sum + h * d;
+      float* z = sketch_sum + h * d;
+      turbo::permute_signs<A>(0, d, z, true);
       double sum[quant::kMaxRotationDim];
       for (index_t c = 0; c < d; ++c) sum[c] = r[c];
       for (index_t j = 0; j < d; ++j) {
@@ -429,8 +476,9 @@ void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<
   for (index_t first = 0; first < M; first += block) {
     const index_t rows = std::min<index_t>(block, M - first);
     for (index_t h = 0; h < args.group; ++h) {
-      turbo::sketch_rows(v.sketch, first, rows, d, args.queries + h * d,
-                         sketched + static_cast<std::size_t>(args.group) * first + h * rows);
+      float* block_query = sketched + static_cast<std::size_t>(args.group) * first + h * rows;
+      turbo::sketch_rows(v.sketch, first, rows, d, args.queries + h * d, block_query);
+      turbo::permute_signs<A>(first, rows, block_query, false);  // the sign tile's order
     }
   }
   for (index_t i = 0; i < run.count; ++i) {
@@ -439,7 +487,7 @@ void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<
     float* scores = args.scores + i * P;
     for (index_t first = 0; first < M; first += block) {
       const index_t rows = std::min<index_t>(block, M - first);
-      turbo::unpack_signs(plane, v.sign_bytes(), P, first, rows, tile);
+      turbo::unpack_signs<A>(plane, v.sign_bytes(), P, first, rows, tile);
       score_rows(arch, RowScoreArgs{tile, P, rows, rows, sketched + static_cast<std::size_t>(args.group) * first,
                                     args.group, first == 0 ? scores : extra, first == 0 ? args.score_stride : P});
       if (first > 0) {
