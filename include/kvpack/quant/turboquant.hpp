@@ -27,8 +27,9 @@
 ///   MSE-4 4.125, MSE-3 3.125, MSE-2.5 2.625, Prod-3 3.25 (2-bit codes + 1 sign + two norms).
 ///
 /// QJL<m> (keys only): s = sign(S k) with S an m×d i.i.d. N(0, 1) sketch (m = 2d by default, at
-/// most 2d); stores s (m bits) and fp16 ‖k‖. Estimator ⟨q, k⟩ ≈ √(π/2)/m · ‖k‖ · ⟨S q, s⟩; decode is the matching linear
-/// reconstruction k̃ = √(π/2)/m · ‖k‖ · Sᵀ s, so q·k̃ is exactly the estimator.
+/// most 2d); stores s (m bits) and fp16 ‖k‖. Estimator ⟨q, k⟩ ≈ √(π/2)/m · ‖k‖ · ⟨S q, s⟩;
+/// decode is the matching linear reconstruction k̃ = √(π/2)/m · ‖k‖ · Sᵀ s, so q·k̃ is exactly
+/// the estimator.
 /// Byte format: signs[P][m/8], then fp16 norm[P]. Bits per element (m + 16)/d.
 ///
 /// Tables (codebooks, rotations, sketches) are built on first use per (head_dim, layer) and kept
