@@ -23,5 +23,6 @@
 #include "kvpack/quant/mixed.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
+#include "kvpack/quant/turboquant.hpp"
 #include "kvpack/select/dense.hpp"
 #include "kvpack/version.hpp"

@@ -33,6 +33,10 @@ static_assert(kIsQuantizerWithCodecs<quant::Int8>);
 static_assert(kIsQuantizerWithCodecs<quant::Q8_0>);
 static_assert(kIsQuantizerWithCodecs<quant::Q4_0>);
 static_assert(kIsQuantizerWithCodecs<quant::Mixed<quant::Q8_0, quant::Q4_0>>);
+static_assert(kIsQuantizerWithCodecs<quant::TurboQuant<8>>);
+static_assert(kIsQuantizerWithCodecs<quant::TurboQuant<5, quant::TurboVariant::kProd, quant::TurboVariant::kProd>>);
+static_assert(kIsQuantizerWithCodecs<quant::QJL<>>);
+static_assert(!quant::CalibratedCodec<quant::TurboQuant<6>::key_codec>);
 
 // Mixed takes keys from its first quantizer and values from its second.
 static_assert(std::is_same_v<quant::Mixed<quant::Q8_0, quant::Q4_0>::key_codec, quant::Q8_0::key_codec>);

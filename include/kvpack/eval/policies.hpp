@@ -228,6 +228,14 @@ inline std::vector<Policy> builtin_policies() {
       make_kvquant_policy<4>(),
       make_kvquant_policy<3>(),
       make_kvquant_policy<2>(),
+      // TurboQuant: every token quantized (no residual); X.5 = half the rotated channels at X+1 bits.
+      make_policy<quant::TurboQuant<8>>("turbo-4", "TurboQuant<4 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<7>>("turbo-3.5", "TurboQuant<3.5 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<6>>("turbo-3", "TurboQuant<3 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<5>>("turbo-2.5", "TurboQuant<2.5 bits>, MSE keys and values"),
+      make_policy<quant::TurboQuant<6, quant::TurboVariant::kProd>>("turbo-3-prod",
+                                                                     "TurboQuant<3 bits>, Prod keys, MSE values"),
+      make_policy<quant::QJL<>>("qjl", "QJL keys (m = 2·head_dim sign bits), TurboQuant-3 values"),
   };
 }
 

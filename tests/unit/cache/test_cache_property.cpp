@@ -187,3 +187,11 @@ TEMPLATE_TEST_CASE("random operation sequences match the reference model for KVQ
   }
   SECTION("post-RoPE keys, a tail") { run_random_operations<TestType>(32, 10, 16, {}, quantizer); }
 }
+
+TEMPLATE_TEST_CASE("random operation sequences match the reference model with TurboQuant and QJL",
+                   "[cache][property][turboquant]", quant::TurboQuant<6>,
+                   (quant::TurboQuant<7, quant::TurboVariant::kProd, quant::TurboVariant::kMse>),
+                   (quant::TurboQuant<5, quant::TurboVariant::kProd, quant::TurboVariant::kProd>), (quant::QJL<64, 8>)) {
+  SECTION("no extra tail") { run_random_operations<TestType>(0, 6); }
+  SECTION("a one-page full-precision tail") { run_random_operations<TestType>(16, 7); }
+}

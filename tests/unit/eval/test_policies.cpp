@@ -38,9 +38,13 @@ TEST_CASE("every built-in policy builds, stores and attends through AnyCache", "
     // (the kernel and codec tests hold each format to its own bound): with two outlier channels
     // (5x) in a 32-channel block, q4_0's step is ~1.5, which moves scores by ~0.3 and the output
     // by about as much (measured 0.29); KIVI-2's four levels per group measure 0.69; 8-bit
-    // formats stay near 0.01–0.07, 16-bit ones below 0.004.
+    // formats stay near 0.01–0.07, 16-bit ones below 0.004. QJL's keys are one sign bit per sketch
+    // row and nothing else: its unbiased scores carry noise √(π/2m)·‖q‖‖k‖ (m = 2d = 128), about
+    // as large as the scores' own spread on these unstructured keys (measured 1.38), so it only
+    // gets the bound of an output that is not garbage (NaN, a wrong scale).
     const double bits = cache->nominal_bits_per_element();
-    CHECK(relative_error(out, exact) < (bits >= 16 ? 0.01 : bits >= 8 ? 0.1 : bits >= 4 ? 0.5 : 1.0));
+    const double tier = policy.name == "qjl" ? 2.0 : bits >= 16 ? 0.01 : bits >= 8 ? 0.1 : bits >= 4 ? 0.5 : 1.0;
+    CHECK(relative_error(out, exact) < tier);
     CHECK(cache->memory().stored_elements == 100 * 2 * 64 * 2);
     CHECK(cache->nominal_bits_per_element() > 0);
   }

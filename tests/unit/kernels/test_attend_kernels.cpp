@@ -369,3 +369,36 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KVQuant, post- and pre-R
 }
 
 }  // namespace
+
+namespace {
+
+using TurboMse3 = kvpack::quant::TurboQuant<6>;
+using TurboMse4 = kvpack::quant::TurboQuant<8>;
+using TurboProd4 = kvpack::quant::TurboQuant<8, kvpack::quant::TurboVariant::kProd, kvpack::quant::TurboVariant::kProd>;
+using TurboHalf25 = kvpack::quant::TurboQuant<5, kvpack::quant::TurboVariant::kProd>;
+using Qjl128 = kvpack::quant::QJL<128, 7>;
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every ISA matches the reference for TurboQuant and QJL (keys scored in the rotated space)",
+                   "[kernels][cpu][turboquant]", TurboMse3, TurboMse4, TurboProd4, TurboHalf25, Qjl128) {
+  struct Case {
+    index_t page_size, head_dim, pages, tail, group;
+  };
+  // Power-of-two head_dim (Hadamard) and 96 (dense rotation); more than one 512-token chunk;
+  // 4-, 3- and 2-bit sections unpack sliced on AVX2/AVX-512 where whole vectors of units fit.
+  const Case cases[] = {{32, 128, 20, 0, 4}, {32, 128, 3, 17, 8}, {16, 64, 5, 0, 1},
+                        {64, 128, 2, 63, 2}, {32, 96, 3, 5, 3},   {16, 128, 0, 9, 4}};
+  for (const Case& c : cases) {
+    const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
+    auto keys = test::random_rows(rows, c.head_dim, 71, 4, 10.0f);  // outlier channels
+    const auto values = test::random_rows(rows, c.head_dim, 72);
+    if (rows > 3) {
+      for (int ch = 0; ch < c.head_dim; ++ch) keys[3 * c.head_dim + ch] = 0.0f;  // a zero row
+    }
+    auto queries = test::random_rows(c.group, c.head_dim, 73, 4, 3.0f);
+    for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true);
+  }
+}

@@ -11,6 +11,7 @@
 #include "kvpack/kernels/cpu/rope.hpp"
 #include "kvpack/kernels/cpu/kernels.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
+#include "kvpack/kernels/cpu/turboquant.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
 

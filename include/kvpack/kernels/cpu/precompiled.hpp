@@ -16,6 +16,7 @@
 #include "kvpack/quant/kvquant.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
+#include "kvpack/quant/turboquant.hpp"
 
 namespace kvpack::inline v0::kernels::cpu::precompiled {
 
@@ -53,6 +54,12 @@ using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
 using AccumulateNuq2 = AccumulateValues<quant::KVQuantValueCodec<2>>;
 using AccumulateNuq3 = AccumulateValues<quant::KVQuantValueCodec<3>>;
 using AccumulateNuq4 = AccumulateValues<quant::KVQuantValueCodec<4>>;
+// TurboQuant's rate is a run-time option: one kernel per variant and plane serves every rate.
+using ScoreTurboMse = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kMse, Plane::kKey>>;
+using ScoreTurboProd = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kKey>>;
+using AccumulateTurboMse = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kMse, Plane::kValue>>;
+using AccumulateTurboProd = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kValue>>;
+using ScoreQjl = ScoreKeys<quant::QjlKeyCodec>;  // every sketch size
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -70,7 +77,9 @@ using AccumulateNuq4 = AccumulateValues<quant::KVQuantValueCodec<4>>;
   X(precompiled::ScoreNuq2) X(precompiled::ScoreNuq3) X(precompiled::ScoreNuq4)                           \
   X(precompiled::ScoreRotatedNuq2) X(precompiled::ScoreRotatedNuq3) X(precompiled::ScoreRotatedNuq4)      \
   X(precompiled::AccumulateNuq2) X(precompiled::AccumulateNuq3) X(precompiled::AccumulateNuq4)            \
-  X(SoftmaxUpdate) X(ScoreRows) X(ScoreRotatedRows)
+  X(precompiled::ScoreTurboMse) X(precompiled::ScoreTurboProd) X(precompiled::AccumulateTurboMse)         \
+  X(precompiled::AccumulateTurboProd) X(precompiled::ScoreQjl) X(SoftmaxUpdate) X(ScoreRows)              \
+  X(ScoreRotatedRows)
 
 namespace kvpack::inline v0::kernels::cpu {
 
