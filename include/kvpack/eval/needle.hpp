@@ -99,9 +99,11 @@ class NeedleSuite {
 
   /// Runs every (context, seed, depth) trial through a fresh cache of each policy; one report
   /// per policy, in order. Each trial is built once and shared by all policies.
-  /// `progress(done, total)` is called after each trial when given.
+  /// `progress(done, total)` is called after each trial when given; `parallel`, when given,
+  /// runs a trial's policies concurrently (each has its own cache; results do not change).
   [[nodiscard]] std::vector<NeedleReport> run(std::span<const Policy> policies, const CacheConfig& config = {},
-                                              const std::function<void(int, int)>& progress = {}) const {
+                                              const std::function<void(int, int)>& progress = {},
+                                              const Executor& parallel = {}) const {
     std::vector<NeedleReport> reports(policies.size());
     for (NeedleReport& report : reports) {
       for (index_t context : spec_.contexts) {
@@ -120,8 +122,13 @@ class NeedleSuite {
       for (std::size_t d = 0; d < spec_.depths.size(); ++d) {
         const Trial trial = plant(haystack, kv, spec_.depths[d]);
         const std::size_t cell = context_index(haystack.context) * spec_.depths.size() + d;
-        for (std::size_t p = 0; p < policies.size(); ++p) {
+        const auto one = [&](index_t p) {
           run_trial(policies[p], config, inputs, haystack, kv, trial, reports[p].cells[cell]);
+        };
+        if (parallel) {
+          parallel(static_cast<index_t>(policies.size()), one);
+        } else {
+          for (std::size_t p = 0; p < policies.size(); ++p) one(static_cast<index_t>(p));
         }
         remove(haystack, kv, trial.needle);
         if (progress) progress(++done, total);
