@@ -102,6 +102,14 @@ class KVCache {
       for (index_t s = 0; s < streams_; ++s) {
         key_params_.push_back(quantizer_.key.initial_params(layer, s));
         value_params_.push_back(quantizer_.value.initial_params(layer, s));
+        // Codecs with tables built on first use (TurboQuant's rotations) build them here: encoding
+        // happens after write_tokens' last possible throw and must not allocate.
+        if constexpr (requires { quantizer_.key.prepare(key_geometry(), key_params_.back()); }) {
+          quantizer_.key.prepare(key_geometry(), key_params_.back());
+        }
+        if constexpr (requires { quantizer_.value.prepare(value_geometry(), value_params_.back()); }) {
+          quantizer_.value.prepare(value_geometry(), value_params_.back());
+        }
       }
     }
     // shape_ was validated: layers > 0 (max() tells the compiler so).

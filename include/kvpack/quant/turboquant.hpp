@@ -307,6 +307,10 @@ class TurboCodec {
     return {store_.get(), l, derive_seed(options_.seed, l)};
   }
 
+  /// Builds the tables of (head_dim, layer) now: KVCache calls it when it is built, so encoding
+  /// (after the cache's last possible throw) never allocates.
+  void prepare(PageGeometry g, const params_type& p) const { (void)tables(g.head_dim, p); }
+
   /// The tables of (head_dim, layer), built on first use.
   [[nodiscard]] const turbo_detail::LayerTables& tables(index_t d, const params_type& p) const {
     return store_->get(d, p.layer, [&](turbo_detail::LayerTables& t) {
@@ -450,6 +454,8 @@ class QjlKeyCodec {
     const auto l = static_cast<std::uint32_t>(layer);
     return {store_.get(), l, derive_seed(seed_, l)};
   }
+  /// As TurboCodec::prepare.
+  void prepare(PageGeometry g, const params_type& p) const { (void)tables(g.head_dim, p); }
   [[nodiscard]] const turbo_detail::LayerTables& tables(index_t d, const params_type& p) const {
     return store_->get(d, p.layer, [&](turbo_detail::LayerTables& t) {
       t.seed = p.seed;
