@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kvpack/config.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
 
@@ -97,9 +98,10 @@ struct RopeView {
   static constexpr std::int64_t kFine = std::int64_t{1} << kFineBits;
 };
 
-/// `out` = `in` rotated to `position` (or, with `inverse`, back from it) through the tables:
-/// the scalar form of the kernels' rotation, for callers outside the decode loop.
-inline void rotate_with_tables(const RopeView& rope, std::int64_t position, const float* in, float* out,
+/// `out` = `in` rotated to `position` (or, with `inverse`, back from it) through the tables: the
+/// kernels' rotation one channel at a time (their fallback when vectors do not fit), and the
+/// cache adapter's. Always inlined: the per-ISA kernel objects must not share a copy.
+KVPACK_ALWAYS_INLINE void rotate_with_tables(const RopeView& rope, std::int64_t position, const float* in, float* out,
                                bool inverse = false) noexcept {
   const std::int64_t p = position < 0 ? 0 : (position > rope.max_position ? rope.max_position : position);
   const std::size_t lo = static_cast<std::size_t>(p & (RopeView::kFine - 1)) * rope.head_dim;

@@ -193,6 +193,14 @@ struct KVQuantTraits {
   std::shared_ptr<const KVQuantTables> tables;
   double outlier_fraction = 0.01;
 
+  /// A page's outlier section at `fraction` (decoding reads it from the params).
+  [[nodiscard]] static kvquant_detail::OutlierSection outliers(PageGeometry g, double fraction) noexcept {
+    return {kvquant_detail::outlier_capacity(fraction, g)};
+  }
+  [[nodiscard]] kvquant_detail::OutlierSection outliers(PageGeometry g) const noexcept {
+    return outliers(g, outlier_fraction);
+  }
+
   /// fp16 outliers and per-token ranges must stay finite.
   [[nodiscard]] float max_abs_input() const noexcept { return 32752.0f; }
 
@@ -234,11 +242,8 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
   [[nodiscard]] static constexpr std::size_t outliers_offset(PageGeometry g) noexcept {
     return row_bytes(g) * static_cast<std::size_t>(g.head_dim);
   }
-  [[nodiscard]] kvquant_detail::OutlierSection outliers(PageGeometry g) const noexcept {
-    return {kvquant_detail::outlier_capacity(this->outlier_fraction, g)};
-  }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
-    return outliers_offset(g) + outliers(g).bytes();
+    return outliers_offset(g) + this->outliers(g).bytes();
   }
   [[nodiscard]] double nominal_bits_per_element(index_t) const noexcept { return Bits + 32.0 * this->outlier_fraction; }
   [[nodiscard]] params_type initial_params(index_t layer, index_t stream) const {
@@ -251,7 +256,7 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
   void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, const params_type& p,
               std::byte* dst) const noexcept {
     std::fill(dst, dst + plane_bytes(g), std::byte{0});
-    const kvquant_detail::OutlierSection section = outliers(g);
+    const kvquant_detail::OutlierSection section = this->outliers(g);
     kvquant_detail::FurthestCandidates kept(section.capacity);
     for (index_t t = 0; t < g.page_size; ++t) {
       for (index_t c = 0; c < g.head_dim; ++c) {
@@ -277,8 +282,7 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
         dst[static_cast<std::size_t>(t) * g.head_dim + c] = level * p.half_range[c] + p.offset[c];
       }
     }
-    kvquant_detail::OutlierSection{kvquant_detail::outlier_capacity(p.outlier_fraction, g)}.apply(
-        plane + outliers_offset(g), dst);
+    this->outliers(g, p.outlier_fraction).apply(plane + outliers_offset(g), dst);
   }
 
   friend bool operator==(const KVQuantKeyCodec& a, const KVQuantKeyCodec& b) noexcept {
@@ -306,11 +310,8 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
   [[nodiscard]] static constexpr std::size_t outliers_offset(PageGeometry g) noexcept {
     return ranges_offset(g) + 2 * static_cast<std::size_t>(g.page_size);
   }
-  [[nodiscard]] kvquant_detail::OutlierSection outliers(PageGeometry g) const noexcept {
-    return {kvquant_detail::outlier_capacity(this->outlier_fraction, g)};
-  }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
-    return outliers_offset(g) + outliers(g).bytes();
+    return outliers_offset(g) + this->outliers(g).bytes();
   }
   [[nodiscard]] double nominal_bits_per_element(index_t head_dim) const noexcept {
     return Bits + 32.0 / head_dim + 32.0 * this->outlier_fraction;
@@ -326,7 +327,7 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
     std::fill(dst, dst + plane_bytes(g), std::byte{0});
     const index_t d = g.head_dim;
     const index_t side = kvquant_detail::candidates_per_side(this->outlier_fraction, d);
-    const kvquant_detail::OutlierSection section = outliers(g);
+    const kvquant_detail::OutlierSection section = this->outliers(g);
     kvquant_detail::FurthestCandidates kept(section.capacity);
     std::uint16_t order[4096];  // head_dim ≤ 65536 / page_size ≤ 4096 (validate)
     for (index_t t = 0; t < g.page_size && side > 0; ++t) {
@@ -390,8 +391,7 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
         dst[static_cast<std::size_t>(t) * g.head_dim + c] = level * half_range + offset;
       }
     }
-    kvquant_detail::OutlierSection{kvquant_detail::outlier_capacity(p.outlier_fraction, g)}.apply(
-        plane + outliers_offset(g), dst);
+    this->outliers(g, p.outlier_fraction).apply(plane + outliers_offset(g), dst);
   }
 
   friend bool operator==(const KVQuantValueCodec& a, const KVQuantValueCodec& b) noexcept {

@@ -54,11 +54,7 @@ KVPACK_ALWAYS_INLINE void rotate_row(A, const RopeView& rope, std::int32_t posit
     }
     return;
   }
-  for (index_t c = 0; c < d; ++c) {
-    const float cosine = cos_hi[c] * cos_lo[c] - sin_hi[c] * sin_lo[c];
-    const float sine = rope.sign[c] * (sin_hi[c] * cos_lo[c] + cos_hi[c] * sin_lo[c]);
-    out[c] = in[c] * cosine + in[rope_partner(c, d, rope.pairing)] * sine;
-  }
+  rotate_with_tables(rope, position, in, out);
 }
 
 /// A key page as token-major fp32 rows: the codec's own scalar decoder, for every codec without
