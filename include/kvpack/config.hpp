@@ -10,7 +10,7 @@
 #define KVPACK_HOST_DEVICE inline
 #endif
 
-#if defined(__clang__)
+#if defined(__clang__) || defined(__CUDACC__)
 #define KVPACK_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
 #define KVPACK_UNROLL _Pragma("GCC unroll 8")

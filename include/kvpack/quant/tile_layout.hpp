@@ -19,6 +19,7 @@
 
 #include <cstddef>
 
+#include "kvpack/config.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 
 namespace kvpack::inline v0::quant::tile {
@@ -26,18 +27,18 @@ namespace kvpack::inline v0::quant::tile {
 /// Element index of (token t, channel c) in a plane of the element-wise formats (Float, FP8):
 /// keys channel-major (one channel of consecutive tokens per vector load, no horizontal sums
 /// when scoring), values token-major (accumulating w_t·v_t is a row-wise AXPY).
-[[nodiscard]] constexpr std::size_t element(PageGeometry g, Plane plane, index_t t, index_t c) noexcept {
+[[nodiscard]] KVPACK_HOST_DEVICE constexpr std::size_t element(PageGeometry g, Plane plane, index_t t, index_t c) noexcept {
   return plane == Plane::kKey ? static_cast<std::size_t>(c) * g.page_size + t
                               : static_cast<std::size_t>(t) * g.head_dim + c;
 }
 
 /// Byte offset of the 8-bit code of (token t, channel c) in a key plane.
-[[nodiscard]] constexpr std::size_t key_byte(PageGeometry g, index_t t, index_t c) noexcept {
+[[nodiscard]] KVPACK_HOST_DEVICE constexpr std::size_t key_byte(PageGeometry g, index_t t, index_t c) noexcept {
   return (static_cast<std::size_t>(c / 2) * g.page_size + t) * 2 + c % 2;
 }
 
 /// Byte offset of the 8-bit code of (token t, channel c) in a value plane.
-[[nodiscard]] constexpr std::size_t value_byte(PageGeometry g, index_t t, index_t c) noexcept {
+[[nodiscard]] KVPACK_HOST_DEVICE constexpr std::size_t value_byte(PageGeometry g, index_t t, index_t c) noexcept {
   return (static_cast<std::size_t>(t / 2) * g.head_dim + c) * 2 + t % 2;
 }
 
@@ -50,7 +51,7 @@ struct NibbleAddress {
 /// q4_0 key plane: for block b (32 channels), channel quad j (0–3) of each half of the block,
 /// and token t: four bytes, byte k holding channel 32b+4j+k (low nibble) and 32b+16+4j+k (high).
 /// 16 tokens of a (block, quad) row are 64 consecutive bytes. Needs page_size % 4 == 0.
-[[nodiscard]] constexpr NibbleAddress key_nibble(PageGeometry g, index_t t, index_t c) noexcept {
+[[nodiscard]] KVPACK_HOST_DEVICE constexpr NibbleAddress key_nibble(PageGeometry g, index_t t, index_t c) noexcept {
   const index_t block = c / 32;
   const index_t in_block = c % 32;
   const std::size_t row = static_cast<std::size_t>(block) * 4 + (in_block % 16) / 4;
@@ -60,7 +61,7 @@ struct NibbleAddress {
 /// q4_0 value plane: for token quad i, block b, channel k (0–15) of each half of the block: four
 /// bytes (token 4i+s), low nibble channel 32b+k, high nibble channel 32b+16+k. One (quad, block)
 /// row is 64 consecutive bytes.
-[[nodiscard]] constexpr NibbleAddress value_nibble(PageGeometry g, index_t t, index_t c) noexcept {
+[[nodiscard]] KVPACK_HOST_DEVICE constexpr NibbleAddress value_nibble(PageGeometry g, index_t t, index_t c) noexcept {
   const index_t in_block = c % 32;
   const std::size_t row = static_cast<std::size_t>(t / 4) * (g.head_dim / 32) + c / 32;
   return {(row * 16 + in_block % 16) * 4 + t % 4, in_block / 16};

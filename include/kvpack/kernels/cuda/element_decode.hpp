@@ -1,0 +1,191 @@
+#pragma once
+/// \file element_decode.hpp
+/// \brief One element of a page plane, decoded where it lies: what the CUDA kernels read.
+///
+/// The CPU kernels decode whole vectors; a CUDA thread decodes the element (token t, channel c)
+/// it needs, straight from the page bytes staged in shared memory. `ElementDecoder<Codec>::at`
+/// is that function for each codec the device backend supports. It is host-clean (no CUDA
+/// header) so the host test suite checks it, bit for bit, against every codec's scalar `decode`
+/// on machines without a GPU; the device kernels then only add arithmetic that is checked
+/// against the scalar reference when a GPU is present.
+///
+/// A codec without a specialisation is not supported on the device: `DeviceDecodable<Codec>` is
+/// false and the CUDA entry points reject it at compile time.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kvpack/config.hpp"
+#include "kvpack/core/fp8.hpp"
+#include "kvpack/core/half.hpp"
+#include "kvpack/quant/float.hpp"
+#include "kvpack/quant/fp8.hpp"
+#include "kvpack/quant/int8.hpp"
+#include "kvpack/quant/kivi.hpp"
+#include "kvpack/quant/q4_0.hpp"
+#include "kvpack/quant/q8_0.hpp"
+#include "kvpack/quant/tile_layout.hpp"
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
+namespace kvpack::inline v0::kernels::cuda {
+
+namespace decode_detail {
+
+/// A little-endian scalar at `at` (aligned to its size: every layout above keeps it so).
+template <class T>
+KVPACK_HOST_DEVICE T load(const std::byte* at) noexcept {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const T*>(at);
+#else
+  T value;
+  std::memcpy(&value, at, sizeof(T));
+  return value;
+#endif
+}
+
+/// fp16 bits to float: the hardware conversion on the device, the portable one on the host
+/// (both exact, NaN payloads aside).
+KVPACK_HOST_DEVICE float half_to_float(std::uint16_t bits) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(bits));
+#else
+  return detail::half_bits_to_float(bits);
+#endif
+}
+
+template <class Format>
+KVPACK_HOST_DEVICE float fp8_to_float(std::uint8_t bits) noexcept {
+#if defined(__CUDA_ARCH__)
+  // Every E4M3 and E5M2 value is exactly representable in fp16.
+  constexpr __nv_fp8_interpretation_t kind = std::is_same_v<Format, fp8_e4m3fn> ? __NV_E4M3 : __NV_E5M2;
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, kind)));
+#else
+  return static_cast<float>(Format::from_bits(bits));
+#endif
+}
+
+template <class T>
+KVPACK_HOST_DEVICE float storage_to_float(const std::byte* at) noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    return load<float>(at);
+  } else if constexpr (std::is_same_v<T, half>) {
+    return half_to_float(load<std::uint16_t>(at));
+  } else {
+    return detail::bfloat16_bits_to_float(load<std::uint16_t>(at));
+  }
+}
+
+}  // namespace decode_detail
+
+template <class Codec>
+struct ElementDecoder;
+
+/// Codecs the CUDA backend can read.
+template <class Codec>
+concept DeviceDecodable = requires { ElementDecoder<Codec>::kSupported; };
+
+template <class T, Plane P>
+struct ElementDecoder<quant::FloatCodec<T, P>> {
+  static constexpr bool kSupported = true;
+  using Codec = quant::FloatCodec<T, P>;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
+                                     index_t c) noexcept {
+    return decode_detail::storage_to_float<T>(plane + quant::tile::element(g, P, t, c) * sizeof(T));
+  }
+};
+
+template <class Format, Plane P>
+struct ElementDecoder<quant::FP8Codec<Format, P>> {
+  static constexpr bool kSupported = true;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::FP8Params params,
+                                     index_t t, index_t c) noexcept {
+    const auto code = static_cast<std::uint8_t>(plane[quant::tile::element(g, P, t, c)]);
+    return decode_detail::fp8_to_float<Format>(code) * params.scale;
+  }
+};
+
+/// Int8 and Q8_0 share the 8-bit pair tiles; they differ in where a code's fp16 scale sits.
+template <Plane P>
+KVPACK_HOST_DEVICE float pair_tile_code(const std::byte* plane, quant::PageGeometry g, index_t t, index_t c) noexcept {
+  const std::size_t byte = P == Plane::kKey ? quant::tile::key_byte(g, t, c) : quant::tile::value_byte(g, t, c);
+  return static_cast<float>(static_cast<std::int8_t>(plane[byte]));
+}
+
+template <Plane P>
+struct ElementDecoder<quant::Int8Codec<P>> {
+  static constexpr bool kSupported = true;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
+                                     index_t c) noexcept {
+    const std::size_t scales = quant::Int8Codec<P>::codes_bytes(g);
+    const float scale = decode_detail::half_to_float(
+        decode_detail::load<std::uint16_t>(plane + scales + static_cast<std::size_t>(t) * 2));
+    return pair_tile_code<P>(plane, g, t, c) * scale;
+  }
+};
+
+template <Plane P>
+struct ElementDecoder<quant::Q8_0Codec<P>> {
+  static constexpr bool kSupported = true;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
+                                     index_t c) noexcept {
+    const float scale = decode_detail::half_to_float(
+        decode_detail::load<std::uint16_t>(plane + quant::Q8_0Codec<P>::scale_byte(g, t, c / 32)));
+    return pair_tile_code<P>(plane, g, t, c) * scale;
+  }
+};
+
+template <Plane P>
+struct ElementDecoder<quant::Q4_0Codec<P>> {
+  static constexpr bool kSupported = true;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
+                                     index_t c) noexcept {
+    const quant::tile::NibbleAddress address =
+        P == Plane::kKey ? quant::tile::key_nibble(g, t, c) : quant::tile::value_nibble(g, t, c);
+    const unsigned code = (static_cast<unsigned>(plane[address.byte]) >> (4 * address.nibble)) & 0xFu;
+    const float scale = decode_detail::half_to_float(
+        decode_detail::load<std::uint16_t>(plane + quant::Q4_0Codec<P>::scale_byte(g, t, c / 32)));
+    return static_cast<float>(static_cast<int>(code) - 8) * scale;
+  }
+};
+
+/// KIVI: code · scale + min, with the group's fp16 scale and minimum.
+template <int Bits>
+KVPACK_HOST_DEVICE float kivi_element(const std::byte* row, index_t j, const std::byte* scale_at,
+                                      const std::byte* min_at) noexcept {
+  const std::size_t bit = static_cast<std::size_t>(j) * Bits;
+  const unsigned code = (static_cast<unsigned>(row[bit / 8]) >> (bit % 8)) & ((1u << Bits) - 1u);
+  const float scale = decode_detail::half_to_float(decode_detail::load<std::uint16_t>(scale_at));
+  const float min = decode_detail::half_to_float(decode_detail::load<std::uint16_t>(min_at));
+  return static_cast<float>(code) * scale + min;
+}
+
+template <int Bits, int Group>
+struct ElementDecoder<quant::KiviKeyCodec<Bits, Group>> {
+  static constexpr bool kSupported = true;
+  using Codec = quant::KiviKeyCodec<Bits, Group>;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
+                                     index_t c) noexcept {
+    const std::size_t meta = (static_cast<std::size_t>(t / Group) * g.head_dim + c) * 2;
+    return kivi_element<Bits>(plane + Codec::row_bytes(g) * c, t, plane + Codec::scales_offset(g) + meta,
+                              plane + Codec::mins_offset(g) + meta);
+  }
+};
+
+template <int Bits, int Group, Plane P>
+struct ElementDecoder<quant::KiviTokenCodec<Bits, Group, P>> {
+  static constexpr bool kSupported = true;
+  using Codec = quant::KiviTokenCodec<Bits, Group, P>;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
+                                     index_t c) noexcept {
+    const std::size_t meta = (static_cast<std::size_t>(t) * (g.head_dim / Group) + c / Group) * 2;
+    return kivi_element<Bits>(plane + Codec::row_bytes(g) * t, c, plane + Codec::scales_offset(g) + meta,
+                              plane + Codec::mins_offset(g) + meta);
+  }
+};
+
+}  // namespace kvpack::inline v0::kernels::cuda

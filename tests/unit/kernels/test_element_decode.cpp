@@ -1,0 +1,108 @@
+// The CUDA kernels' per-element decoders (kernels/cuda/element_decode.hpp), compiled for the
+// host, against every supported codec's scalar decode on the same page bytes: bit for bit, on
+// random pages with outlier channels, zero rows, extreme magnitudes and (where the format can
+// hold them) NaN and Inf. Runs without a GPU, so a layout mismatch is caught in every CI run.
+
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kvpack/kernels/cuda/element_decode.hpp"
+#include "kvpack/kvpack.hpp"
+#include "support/random_kv.hpp"
+
+namespace {
+
+using namespace kvpack;
+
+/// Page rows for (page_size, head_dim): outlier channels, a zero row, one row at the format's
+/// largest storable magnitude and, when `non_finite`, a NaN and an Inf.
+std::vector<float> adversarial_rows(index_t page_size, index_t head_dim, float max_abs, bool non_finite,
+                                    std::uint32_t seed) {
+  std::vector<float> rows = test::random_rows(static_cast<std::size_t>(page_size), head_dim, seed, 3, 40.0f);
+  std::fill_n(rows.begin() + head_dim, head_dim, 0.0f);  // token 1: a zero vector
+  const float big = std::min(max_abs, 1e30f);
+  for (index_t c = 0; c < head_dim; ++c) rows[2 * head_dim + c] = c % 2 == 0 ? big : -big / 3;
+  if (non_finite) {
+    rows[3 * head_dim + 5] = std::numeric_limits<float>::quiet_NaN();
+    rows[4 * head_dim + 7] = -std::numeric_limits<float>::infinity();
+  }
+  return rows;
+}
+
+bool same_float(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+}
+
+template <class Codec>
+void check_codec(const Codec& codec, typename Codec::params_type params, quant::PageGeometry g, bool non_finite) {
+  using Decoder = kernels::cuda::ElementDecoder<Codec>;
+  try {
+    codec.validate(g);
+  } catch (const Error&) {
+    return;  // a geometry this codec cannot store (KIVI keys need page_size a multiple of the group)
+  }
+  const std::vector<float> rows = adversarial_rows(g.page_size, g.head_dim, codec.max_abs_input(), non_finite, 17);
+  std::vector<std::byte> plane(codec.plane_bytes(g) + 64);
+  codec.encode(g, rows.data(), g.head_dim, params, plane.data());
+  std::vector<float> expected(static_cast<std::size_t>(g.page_size) * g.head_dim);
+  codec.decode(g, plane.data(), params, expected.data());
+  int mismatches = 0;
+  for (index_t t = 0; t < g.page_size; ++t) {
+    for (index_t c = 0; c < g.head_dim; ++c) {
+      const float got = Decoder::at(plane.data(), g, params, t, c);
+      if (!same_float(got, expected[static_cast<std::size_t>(t) * g.head_dim + c])) ++mismatches;
+    }
+  }
+  INFO(Codec::kName << " page_size " << g.page_size << " head_dim " << g.head_dim);
+  CHECK(mismatches == 0);
+}
+
+template <class Quantizer>
+void check_quantizer(bool non_finite, std::vector<quant::PageGeometry> geometries) {
+  const Quantizer q{};
+  for (const quant::PageGeometry g : geometries) {
+    check_codec(q.key, q.key.initial_params(0, 0), g, non_finite);
+    check_codec(q.value, q.value.initial_params(0, 0), g, non_finite);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("CUDA element decoders equal the scalar decode of every device codec", "[cuda][decode]") {
+  const std::vector<quant::PageGeometry> shapes{{32, 128}, {16, 64}, {64, 96}, {256, 32}};
+  check_quantizer<quant::Float<float>>(true, shapes);
+  check_quantizer<quant::Float<half>>(true, shapes);
+  check_quantizer<quant::Float<bfloat16>>(true, shapes);
+  check_quantizer<quant::Int8>(false, shapes);
+  check_quantizer<quant::Q8_0>(false, shapes);
+  check_quantizer<quant::Q4_0>(false, shapes);
+  check_quantizer<quant::KIVI<2, 32>>(false, shapes);
+  check_quantizer<quant::KIVI<4, 32>>(false, shapes);
+  check_quantizer<quant::KIVI<4, 64>>(false, {{64, 128}, {128, 64}});
+}
+
+TEST_CASE("CUDA FP8 element decoders apply the plane's scale like the scalar decode", "[cuda][decode]") {
+  for (const float scale : {1.0f, 0.37f, 1e-3f}) {
+    const quant::FP8Params params{scale};
+    for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 48}}) {
+      check_codec(quant::FP8Codec<quant::E4M3FN, Plane::kKey>{}, params, g, true);
+      check_codec(quant::FP8Codec<quant::E4M3FN, Plane::kValue>{}, params, g, true);
+      check_codec(quant::FP8Codec<quant::E5M2, Plane::kKey>{}, params, g, true);
+      check_codec(quant::FP8Codec<quant::E5M2, Plane::kValue>{}, params, g, true);
+    }
+  }
+}
+
+TEST_CASE("KIVI's per-token key ablation decodes element-wise too", "[cuda][decode]") {
+  check_codec(quant::KiviTokenCodec<2, 32, Plane::kKey>{}, {}, {32, 128}, false);
+  check_codec(quant::KiviTokenCodec<4, 32, Plane::kKey>{}, {}, {64, 64}, false);
+}
+
+static_assert(kernels::cuda::DeviceDecodable<quant::Q4_0Codec<Plane::kKey>>);
+static_assert(!kernels::cuda::DeviceDecodable<quant::KVQuantKeyCodec<4>>,
+              "KVQuant is not on the device yet: its entry points must reject it at compile time");
