@@ -1,0 +1,193 @@
+// Decode attention on the GPU at Llama-3.1-8B's attention shape (32 query heads, 8 KV heads,
+// head_dim 128: GQA groups of 4), one layer, for every codec the device reads: 4 sequences of 32K
+// tokens and 1 of 128K (134 to 537 MB of fp16 pages, several times the L2). Timed with CUDA
+// events; reports the page bytes read per second, that rate as a fraction of the card's peak HBM
+// bandwidth (from its memory clock and bus width), and, in the same run, a device-to-device copy
+// of the same bytes (read plus written): what the memory system streams in practice.
+//
+// Pages hold codes encoded on the host by each codec's scalar encoder from random data with
+// outlier channels (256 distinct pages, copied across the whole pool on the device).
+
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/paged_attention.cuh"
+#include "kvpack/kvpack.hpp"
+
+namespace {
+
+using namespace kvpack;
+namespace gpu = kvpack::kernels::cuda;
+
+constexpr index_t kKvHeads = 8;
+constexpr index_t kGroup = 4;
+constexpr index_t kHeadDim = 128;
+constexpr index_t kPageSize = 32;
+constexpr index_t kDistinctPages = 256;
+
+double peak_hbm_bytes_per_second() {
+  int device = 0, clock_khz = 0, bus_bits = 0;
+  gpu::check(cudaGetDevice(&device), "cudaGetDevice");
+  gpu::check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device), "memory clock");
+  gpu::check(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device), "bus width");
+  return 2.0 * clock_khz * 1e3 * bus_bits / 8.0;  // double data rate
+}
+
+/// A random page set for one codec pair, as the cache would lay it out.
+template <class Quantizer>
+struct HostPages {
+  std::size_t value_offset = 0, payload_bytes = 0;
+  std::vector<std::byte> bytes;
+  HostPages() {
+    const Quantizer q{};
+    const quant::PageGeometry g{kPageSize, kHeadDim};
+    value_offset = (q.key.plane_bytes(g) + 63) / 64 * 64;
+    payload_bytes = (value_offset + q.value.plane_bytes(g) + 63) / 64 * 64;
+    bytes.assign(payload_bytes * kDistinctPages, std::byte{0});
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal;
+    std::vector<float> rows(static_cast<std::size_t>(kPageSize) * kHeadDim);
+    for (index_t p = 0; p < kDistinctPages; ++p) {
+      for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = normal(rng) * (i % kHeadDim < 4 ? 10.0f : 1.0f);
+      std::byte* page = bytes.data() + p * payload_bytes;
+      q.key.encode(g, rows.data(), kHeadDim, q.key.initial_params(0, 0), page);
+      for (float& x : rows) x = normal(rng);
+      q.value.encode(g, rows.data(), kHeadDim, q.value.initial_params(0, 0), page + value_offset);
+    }
+  }
+};
+
+template <class Quantizer>
+void BM_CudaDecodeAttention(benchmark::State& state) {
+  using KP = typename Quantizer::key_codec::params_type;
+  using VP = typename Quantizer::value_codec::params_type;
+  const index_t context = static_cast<index_t>(state.range(0));
+  const index_t sequences = static_cast<index_t>(state.range(1));
+  const index_t streams = sequences * kKvHeads;
+  const index_t pages_per_stream = context / kPageSize;
+  const std::size_t total_pages = static_cast<std::size_t>(streams) * pages_per_stream;
+
+  static const HostPages<Quantizer> host;  // encoded once per codec
+  gpu::DevicePagePool pool({host.payload_bytes, 0}, total_pages);
+  const std::size_t distinct_bytes = host.bytes.size();
+  gpu::check(cudaMemcpy(pool.payload(0), host.bytes.data(), distinct_bytes, cudaMemcpyHostToDevice), "upload");
+  for (std::size_t first = kDistinctPages; first < total_pages; first += kDistinctPages) {
+    const std::size_t count = std::min<std::size_t>(kDistinctPages, total_pages - first);
+    gpu::check(cudaMemcpy(pool.payload(static_cast<PageId>(first)), pool.payload(0), count * host.payload_bytes,
+                           cudaMemcpyDeviceToDevice),
+                "replicate");
+  }
+  // Each stream's pages are scattered over the pool (a stride coprime with the page count), as a
+  // block table of a long-running server would be.
+  std::vector<const std::byte*> table(total_pages);
+  std::size_t stride = 7919;
+  while (std::gcd(stride, total_pages) != 1) stride += 2;
+  for (std::size_t i = 0; i < total_pages; ++i) table[i] = pool.payload(static_cast<PageId>((i * stride) % total_pages));
+  std::vector<index_t> first_page(streams + 1);
+  for (index_t s = 0; s <= streams; ++s) first_page[s] = s * pages_per_stream;
+
+  const Quantizer q{};
+  gpu::DeviceBuffer<const std::byte*> pages{std::span<const std::byte* const>(table)};
+  gpu::DeviceBuffer<index_t> firsts{std::span<const index_t>(first_page)};
+  const std::vector<KP> key_params(streams, q.key.initial_params(0, 0));
+  const std::vector<VP> value_params(streams, q.value.initial_params(0, 0));
+  gpu::DeviceBuffer<KP> device_key_params{std::span<const KP>(key_params)};
+  gpu::DeviceBuffer<VP> device_value_params{std::span<const VP>(value_params)};
+  const std::vector<index_t> no_rows(streams, 0);
+  gpu::DeviceBuffer<index_t> tail_count{std::span<const index_t>(no_rows)};
+  gpu::DeviceBuffer<float> tail(kHeadDim);
+  std::vector<float> queries(static_cast<std::size_t>(streams) * kGroup * kHeadDim, 0.01f);
+  gpu::DeviceBuffer<float> device_queries{std::span<const float>(queries)};
+  gpu::DeviceBuffer<float> out(queries.size());
+
+  gpu::PagedAttentionArgs<KP, VP> args;
+  args.pages = pages.data();
+  args.first_page = firsts.data();
+  args.key_params = device_key_params.data();
+  args.value_params = device_value_params.data();
+  args.tail_keys = tail.data();
+  args.tail_values = tail.data();
+  args.tail_count = tail_count.data();
+  args.tail_stride = 1;
+  args.queries = device_queries.data();
+  args.out = out.data();
+  args.streams = streams;
+  args.group = kGroup;
+  args.page_size = kPageSize;
+  args.head_dim = kHeadDim;
+  args.value_offset = host.value_offset;
+  args.payload_bytes = host.payload_bytes;
+  gpu::AttentionWorkspace workspace;
+
+  cudaEvent_t start, stop;
+  gpu::check(cudaEventCreate(&start), "event");
+  gpu::check(cudaEventCreate(&stop), "event");
+  gpu::attend_paged<typename Quantizer::key_codec, typename Quantizer::value_codec>(args, pages_per_stream, workspace);
+  gpu::check(cudaDeviceSynchronize(), "warm-up");
+  for (auto _ : state) {
+    cudaEventRecord(start);
+    gpu::attend_paged<typename Quantizer::key_codec, typename Quantizer::value_codec>(args, pages_per_stream, workspace);
+    cudaEventRecord(stop);
+    gpu::check(cudaEventSynchronize(stop), "attention");
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  const std::size_t bytes = total_pages * host.payload_bytes;
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
+
+  // A device-to-device copy of the same bytes, timed in this run, counting bytes read and
+  // written: what the memory system streams in practice.
+  gpu::DeviceBuffer<unsigned char> scratch(bytes);
+  float copy_ms = 0.0f;
+  cudaEventRecord(start);
+  for (int i = 0; i < 5; ++i) cudaMemcpyAsync(scratch.data(), pool.payload(0), bytes, cudaMemcpyDeviceToDevice);
+  cudaEventRecord(stop);
+  gpu::check(cudaEventSynchronize(stop), "copy");
+  cudaEventElapsedTime(&copy_ms, start, stop);
+  const double copy_rate = 2.0 * 5.0 * static_cast<double>(bytes) / (copy_ms * 1e-3);
+
+  state.counters["MB_read"] = static_cast<double>(bytes) / 1e6;
+  state.counters["bits_per_element"] = 8.0 * host.payload_bytes / (2.0 * kPageSize * kHeadDim);
+  state.counters["peak_GBps"] = peak_hbm_bytes_per_second() / 1e9;
+  state.counters["copy_GBps"] = copy_rate / 1e9;
+  state.counters["hbm_fraction"] =
+      benchmark::Counter(static_cast<double>(bytes) / peak_hbm_bytes_per_second(), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] =
+      benchmark::Counter(static_cast<double>(context) * sequences, benchmark::Counter::kIsIterationInvariantRate);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+void shapes(benchmark::internal::Benchmark* b) {
+  b->Args({32768, 4})->Args({131072, 1})->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
+}
+
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Float<kvpack::half>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Float<kvpack::bfloat16>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::FP8<quant::E4M3FN>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Int8)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q8_0)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q4_0)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<4, 32>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<2, 32>)->Apply(shapes);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const gpu::DeviceAvailability device = gpu::device_availability();
+  if (device.count == 0) {
+    std::printf("SKIPPED: the CUDA benchmark needs a GPU (%s)\n", device.reason.c_str());
+    return 77;
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

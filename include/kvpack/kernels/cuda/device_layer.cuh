@@ -1,0 +1,216 @@
+#pragma once
+/// \file device_layer.cuh
+/// \brief One layer's KV streams on the device: pages copied byte for byte from host payloads
+///        into a DevicePagePool, their block tables, codec parameters and full-precision rows,
+///        ready for attend_paged. `mirror_layer` builds one from a host KVCache.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "kvpack/cache.hpp"
+#include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/paged_attention.cuh"
+
+namespace kvpack::inline v0::kernels::cuda {
+
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+  requires DeviceDecodable<KeyCodec> && DeviceDecodable<ValueCodec>
+class DeviceLayer {
+ public:
+  using KeyParams = typename KeyCodec::params_type;
+  using ValueParams = typename ValueCodec::params_type;
+
+  /// \param group query heads per stream; \param value_offset bytes from a payload's start to
+  ///        its V plane (the pool's payload size is the page stride)
+  DeviceLayer(DevicePagePool& pool, index_t group, index_t page_size, index_t head_dim, std::size_t value_offset)
+      : pool_(&pool), group_(group), page_size_(page_size), head_dim_(head_dim), value_offset_(value_offset) {
+    KVPACK_CHECK(group > 0 && page_size > 0 && head_dim > 0, kInvalidArgument,
+                 "DeviceLayer: group, page_size and head_dim must be positive");
+    KVPACK_CHECK(value_offset < pool.format().payload_bytes, kInvalidArgument,
+                 "DeviceLayer: value_offset lies outside the page payload");
+    first_page_.push_back(0);
+  }
+  DeviceLayer(const DeviceLayer&) = delete;
+  DeviceLayer& operator=(const DeviceLayer&) = delete;
+  DeviceLayer(DeviceLayer&&) noexcept = default;
+  ~DeviceLayer() {
+    for (PageId id : owned_) pool_->release(id);
+  }
+
+  /// Adds a stream: its pages (host payloads, token order; the same host page given twice is
+  /// stored once), codec parameters and full-precision rows ([rows][head_dim] keys and values).
+  void add_stream(std::span<const std::byte* const> host_pages, KeyParams key_params, ValueParams value_params,
+                  std::span<const float> row_keys, std::span<const float> row_values) {
+    KVPACK_CHECK(row_keys.size() == row_values.size() && row_keys.size() % head_dim_ == 0, kInvalidArgument,
+                 ::kvpack::detail::message("DeviceLayer::add_stream: ", row_keys.size(), " key and ", row_values.size(),
+                                           " value floats are not whole rows of head_dim ", head_dim_));
+    Rows rows(row_keys.data(), row_keys.data() + row_keys.size(), row_values.data(),
+              row_values.data() + row_values.size());
+    // All or nothing: on failure (device pool full, copy error) the pages taken here go back.
+    const std::size_t owned_before = owned_.size();
+    const std::size_t addresses_before = page_addresses_.size();
+    std::vector<const std::byte*> new_hosts;
+    try {
+      for (const std::byte* host : host_pages) {
+        auto it = uploaded_.find(host);
+        if (it == uploaded_.end()) {
+          const PageId id = pool_->allocate();
+          owned_.push_back(id);
+          new_hosts.push_back(host);
+          it = uploaded_.emplace(host, id).first;
+          pool_->upload(id, host);
+        }
+        page_addresses_.push_back(pool_->payload(it->second));
+      }
+      key_params_.reserve(key_params_.size() + 1);
+      value_params_.reserve(value_params_.size() + 1);
+      rows_.reserve(rows_.size() + 1);
+      first_page_.reserve(first_page_.size() + 1);
+    } catch (...) {
+      for (std::size_t i = owned_before; i < owned_.size(); ++i) pool_->release(owned_[i]);
+      for (const std::byte* host : new_hosts) uploaded_.erase(host);
+      owned_.resize(owned_before);
+      page_addresses_.resize(addresses_before);
+      throw;
+    }
+    first_page_.push_back(static_cast<index_t>(page_addresses_.size()));
+    max_pages_ = std::max<index_t>(max_pages_, static_cast<index_t>(host_pages.size()));
+    key_params_.push_back(key_params);
+    value_params_.push_back(value_params);
+    rows_.push_back(std::move(rows));
+    dirty_ = true;
+  }
+
+  [[nodiscard]] index_t streams() const noexcept { return static_cast<index_t>(key_params_.size()); }
+  [[nodiscard]] index_t group() const noexcept { return group_; }
+  [[nodiscard]] index_t head_dim() const noexcept { return head_dim_; }
+  /// Distinct pages this layer holds in the device pool.
+  [[nodiscard]] std::size_t device_pages() const noexcept { return owned_.size(); }
+  /// Bytes one attend reads from HBM: every stream's pages, plus its full-precision rows.
+  [[nodiscard]] std::size_t bytes_read_per_attend() const noexcept {
+    std::size_t rows = 0;
+    for (const Rows& r : rows_) rows += r.keys.size() + r.values.size();
+    return page_addresses_.size() * pool_->format().payload_bytes + rows * sizeof(float);
+  }
+
+  /// out[stream][h] = softmax(queries[stream][h] · Kᵀ) V, queries already scaled; both
+  /// [streams][group][head_dim] device arrays. Asynchronous on `stream`.
+  void attend(const float* device_queries, float* device_out, cudaStream_t stream = nullptr) {
+    KVPACK_CHECK(streams() > 0, kInvalidArgument, "DeviceLayer::attend: no stream was added");
+    if (dirty_) upload_tables();
+    PagedAttentionArgs<KeyParams, ValueParams> args;
+    args.pages = pages_.data();
+    args.first_page = first_page_device_.data();
+    args.key_params = key_params_device_.data();
+    args.value_params = value_params_device_.data();
+    args.tail_keys = tail_keys_.data();
+    args.tail_values = tail_values_.data();
+    args.tail_count = tail_count_.data();
+    args.tail_stride = tail_stride_;
+    args.queries = device_queries;
+    args.out = device_out;
+    args.streams = streams();
+    args.group = group_;
+    args.page_size = page_size_;
+    args.head_dim = head_dim_;
+    args.value_offset = value_offset_;
+    args.payload_bytes = pool_->format().payload_bytes;
+    attend_paged<KeyCodec, ValueCodec>(args, max_pages_, workspace_, stream);
+  }
+
+ private:
+  struct Rows {
+    Rows(const float* k0, const float* k1, const float* v0, const float* v1) : keys(k0, k1), values(v0, v1) {}
+    std::vector<float> keys, values;
+  };
+
+  void upload_tables() {
+    pages_ = DeviceBuffer<const std::byte*>(std::span<const std::byte* const>(page_addresses_));
+    first_page_device_ = DeviceBuffer<index_t>(std::span<const index_t>(first_page_));
+    key_params_device_ = DeviceBuffer<KeyParams>(std::span<const KeyParams>(key_params_));
+    value_params_device_ = DeviceBuffer<ValueParams>(std::span<const ValueParams>(value_params_));
+    tail_stride_ = 1;
+    std::vector<index_t> counts;
+    for (const Rows& r : rows_) {
+      counts.push_back(static_cast<index_t>(r.keys.size() / head_dim_));
+      tail_stride_ = std::max(tail_stride_, counts.back());
+    }
+    std::vector<float> keys(static_cast<std::size_t>(streams()) * tail_stride_ * head_dim_, 0.0f);
+    std::vector<float> values(keys.size(), 0.0f);
+    for (std::size_t s = 0; s < rows_.size(); ++s) {
+      std::copy(rows_[s].keys.begin(), rows_[s].keys.end(), keys.begin() + s * tail_stride_ * head_dim_);
+      std::copy(rows_[s].values.begin(), rows_[s].values.end(), values.begin() + s * tail_stride_ * head_dim_);
+    }
+    tail_keys_ = DeviceBuffer<float>(std::span<const float>(keys));
+    tail_values_ = DeviceBuffer<float>(std::span<const float>(values));
+    tail_count_ = DeviceBuffer<index_t>(std::span<const index_t>(counts));
+    dirty_ = false;
+  }
+
+  DevicePagePool* pool_;
+  index_t group_, page_size_, head_dim_;
+  std::size_t value_offset_;
+  std::unordered_map<const std::byte*, PageId> uploaded_;
+  std::vector<PageId> owned_;
+  std::vector<const std::byte*> page_addresses_;  // device addresses, streams back to back
+  std::vector<index_t> first_page_;
+  index_t max_pages_ = 0;
+  std::vector<KeyParams> key_params_;
+  std::vector<ValueParams> value_params_;
+  std::vector<Rows> rows_;
+  bool dirty_ = true;
+  index_t tail_stride_ = 1;
+  DeviceBuffer<const std::byte*> pages_;
+  DeviceBuffer<index_t> first_page_device_;
+  DeviceBuffer<KeyParams> key_params_device_;
+  DeviceBuffer<ValueParams> value_params_device_;
+  DeviceBuffer<float> tail_keys_, tail_values_;
+  DeviceBuffer<index_t> tail_count_;
+  AttentionWorkspace workspace_;
+};
+
+/// The layer `layer` of sequence `seq` of a host cache, copied to the device: every stream's
+/// pages (byte for byte; pages the sequence shares with a fork are uploaded once per layer) and
+/// its full-precision rows (exact prefix and tail). Keys stored before RoPE are not supported on
+/// the device yet.
+template <class Layout, class Quantizer, class Evictor, class Selector>
+DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> mirror_layer(
+    const KVCache<Layout, Quantizer, Evictor, Selector>& cache, SeqId seq, index_t layer, DevicePagePool& pool) {
+  KVPACK_CHECK(!cache.config().key_rope, kUnsupported,
+               "mirror_layer: keys stored before RoPE (CacheConfig::key_rope) are not supported by the CUDA backend yet");
+  KVPACK_CHECK(pool.format().payload_bytes == cache.page_format_info().payload_bytes, kInvalidArgument,
+               ::kvpack::detail::message("mirror_layer: the device pool's pages hold ", pool.format().payload_bytes,
+                                         " bytes, the cache's ", cache.page_format_info().payload_bytes));
+  const index_t page_size = cache.config().page_size;
+  const index_t d = cache.shape().head_dim;
+  DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> device(
+      pool, cache.shape().group_size(), page_size, d, cache.value_plane_offset());
+  std::vector<const std::byte*> host_pages;
+  for (index_t s = 0; s < cache.streams_per_layer(); ++s) {
+    const std::span<const PageId> ids = cache.pages(seq, layer, s);
+    host_pages.clear();
+    for (PageId id : ids) host_pages.push_back(cache.pool().payload(id));
+    // read_back's order: exact prefix rows, the pages' slots, then the tail rows.
+    const StoredTokens stored = cache.read_back(seq, layer, s);
+    const index_t paged = static_cast<index_t>(ids.size()) * page_size;
+    const index_t prefix = std::min<index_t>(cache.config().exact_prefix_tokens, stored.size() - paged);
+    std::vector<float> keys, values;
+    auto take = [&](index_t first, index_t last) {
+      keys.insert(keys.end(), stored.keys.begin() + static_cast<std::ptrdiff_t>(first) * d,
+                  stored.keys.begin() + static_cast<std::ptrdiff_t>(last) * d);
+      values.insert(values.end(), stored.values.begin() + static_cast<std::ptrdiff_t>(first) * d,
+                    stored.values.begin() + static_cast<std::ptrdiff_t>(last) * d);
+    };
+    take(0, prefix);
+    take(prefix + paged, stored.size());
+    const auto [key_params, value_params] = cache.codec_params(layer, s);
+    device.add_stream(host_pages, key_params, value_params, keys, values);
+  }
+  return device;
+}
+
+}  // namespace kvpack::inline v0::kernels::cuda

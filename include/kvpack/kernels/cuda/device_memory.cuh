@@ -1,0 +1,122 @@
+#pragma once
+/// \file device_memory.cuh
+/// \brief Device memory owned by RAII handles: typed buffers, and the device page pool (one
+///        cudaMalloc arena of fixed-size pages holding the same payload bytes as the host pool).
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <mutex>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "kvpack/core/types.hpp"
+#include "kvpack/kernels/cuda/check.cuh"
+#include "kvpack/paging/page_pool.hpp"
+
+namespace kvpack::inline v0::kernels::cuda {
+
+/// `count` elements of T in device memory (plain cudaMalloc: no managed memory).
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t count) : count_(count) {
+    if (count > 0) check(cudaMalloc(reinterpret_cast<void**>(&data_), count * sizeof(T)), "cudaMalloc");
+  }
+  /// A device copy of `host`.
+  explicit DeviceBuffer(std::span<const T> host) : DeviceBuffer(host.size()) { upload(host); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), count_(std::exchange(other.count_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+
+  [[nodiscard]] T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+
+  void upload(std::span<const T> host) {
+    KVPACK_CHECK(host.size() <= count_, kInvalidArgument,
+                 ::kvpack::detail::message("DeviceBuffer::upload: ", host.size(), " elements into a buffer of ", count_));
+    if (!host.empty()) check(cudaMemcpy(data_, host.data(), host.size_bytes(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  }
+  [[nodiscard]] std::vector<T> download() const {
+    std::vector<T> host(count_);
+    if (count_ > 0) check(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t count_ = 0;
+};
+
+/// Pages in device memory: one arena of `capacity` payloads of `format.payload_bytes` bytes,
+/// allocated up front (a device pool does not grow: growing would move every page the block
+/// tables point at). Page payloads are byte-identical to the host pool's, so a page moves
+/// between the two with one copy and the kernels of either backend read it. Slot metadata
+/// (positions, live masks) stays on the host. Thread-safe.
+class DevicePagePool {
+ public:
+  DevicePagePool(paging::PageFormat format, std::size_t capacity)
+      : format_(format), capacity_(capacity), arena_(format.payload_bytes * capacity) {
+    KVPACK_CHECK(format.payload_bytes > 0 && format.payload_bytes % 64 == 0, kInvalidConfig,
+                 ::kvpack::detail::message("DevicePagePool: payload size must be a positive multiple of 64, got ",
+                                           format.payload_bytes));
+    KVPACK_CHECK(capacity > 0, kInvalidConfig, "DevicePagePool: capacity must be at least one page");
+    free_.reserve(capacity);
+    for (std::size_t i = capacity; i-- > 0;) free_.push_back(static_cast<PageId>(i));
+  }
+
+  [[nodiscard]] const paging::PageFormat& format() const noexcept { return format_; }
+  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  [[nodiscard]] std::size_t pages_in_use() const {
+    std::lock_guard lock(mutex_);
+    return capacity_ - free_.size();
+  }
+
+  /// A free page; throws kvpack::OutOfPages when none is left.
+  [[nodiscard]] PageId allocate() {
+    std::lock_guard lock(mutex_);
+    KVPACK_CHECK(!free_.empty(), kOutOfPages,
+                 ::kvpack::detail::message("device page pool exhausted: all ", capacity_, " pages in use"));
+    const PageId id = free_.back();
+    free_.pop_back();
+    return id;
+  }
+  void release(PageId id) noexcept {
+    std::lock_guard lock(mutex_);
+    free_.push_back(id);
+  }
+
+  /// Device address of a page's payload (64-byte aligned: cudaMalloc aligns the arena to 256).
+  [[nodiscard]] std::byte* payload(PageId id) const noexcept {
+    return reinterpret_cast<std::byte*>(arena_.data()) + static_cast<std::size_t>(id) * format_.payload_bytes;
+  }
+
+  /// Copies one payload from host memory (a host pool's page) into device page `id`.
+  void upload(PageId id, const std::byte* host_payload) {
+    check(cudaMemcpy(payload(id), host_payload, format_.payload_bytes, cudaMemcpyHostToDevice), "page upload");
+  }
+  /// Copies device page `id` into host memory.
+  void download(PageId id, std::byte* host_payload) const {
+    check(cudaMemcpy(host_payload, payload(id), format_.payload_bytes, cudaMemcpyDeviceToHost), "page download");
+  }
+
+ private:
+  paging::PageFormat format_;
+  std::size_t capacity_;
+  DeviceBuffer<unsigned char> arena_;
+  mutable std::mutex mutex_;
+  std::vector<PageId> free_;
+};
+
+}  // namespace kvpack::inline v0::kernels::cuda

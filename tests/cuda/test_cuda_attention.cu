@@ -1,0 +1,265 @@
+// The CUDA decode-attention kernels against the scalar reference (kernels/reference.hpp) on the
+// same page bytes, for every codec the device reads: several streams of different lengths in one
+// launch (pages not filling a split, tail rows only, hundreds of pages), outlier channels, zero
+// rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages. Without a
+// GPU the binary exits with CTest's skip code (77) and says why.
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "kvpack/kernels/cuda/device_layer.cuh"
+#include "kvpack/kernels/reference.hpp"
+#include "kvpack/kvpack.hpp"
+#include "support/stream_fixture.hpp"
+
+namespace {
+
+using namespace kvpack;
+namespace gpu = kvpack::kernels::cuda;
+
+struct StreamShape {
+  index_t pages = 0;
+  index_t tail = 0;
+};
+
+/// Adversarial rows for one stream: outlier key channels, a zero key row, one huge key element
+/// and one huge value element (when the stream is long enough).
+struct StreamData {
+  std::vector<float> keys, values, queries;
+};
+
+StreamData make_stream_data(std::size_t rows, index_t head_dim, index_t group, std::uint32_t seed) {
+  StreamData data{test::random_rows(rows, head_dim, seed, 4, 10.0f), test::random_rows(rows, head_dim, seed + 1),
+                  test::random_rows(static_cast<std::size_t>(group), head_dim, seed + 2, 4, 3.0f)};
+  if (rows > 9) {
+    for (index_t c = 0; c < head_dim; ++c) data.keys[3 * head_dim + c] = 0.0f;
+    data.keys[7 * head_dim + 1] = 900.0f;
+    data.values[9 * head_dim + 2] = -400.0f;
+  }
+  for (float& q : data.queries) q /= std::sqrt(static_cast<float>(head_dim));
+  return data;
+}
+
+/// Builds the streams on the host with the codecs' scalar encoders, runs one device launch over
+/// all of them, and returns per stream (device output, reference output, bound).
+template <class Quantizer>
+struct DeviceRun {
+  std::vector<std::unique_ptr<test::StreamFixture<Quantizer>>> fixtures;
+  std::vector<StreamData> data;
+  std::vector<float> device_out;
+  index_t group = 0, head_dim = 0;
+
+  DeviceRun(index_t page_size, index_t head_dim_, index_t group_, const std::vector<StreamShape>& shapes,
+            std::uint32_t seed, void (*poison)(test::StreamFixture<Quantizer>&) = nullptr)
+      : group(group_), head_dim(head_dim_) {
+    std::size_t total_pages = 0;
+    for (std::size_t s = 0; s < shapes.size(); ++s) {
+      const std::size_t rows = static_cast<std::size_t>(shapes[s].pages) * page_size + shapes[s].tail;
+      data.push_back(make_stream_data(rows, head_dim, group, seed + 10 * static_cast<std::uint32_t>(s)));
+      fixtures.push_back(std::make_unique<test::StreamFixture<Quantizer>>(page_size, head_dim, shapes[s].pages,
+                                                                          shapes[s].tail, data[s].keys, data[s].values));
+      total_pages += static_cast<std::size_t>(shapes[s].pages);
+    }
+    if (poison != nullptr) poison(*fixtures.front());
+    const auto& first = *fixtures.front();
+    gpu::DevicePagePool pool({first.payload_bytes, 0}, std::max<std::size_t>(1, total_pages));
+    gpu::DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> layer(
+        pool, group, page_size, head_dim, first.value_offset);
+    std::vector<float> queries;
+    for (std::size_t s = 0; s < fixtures.size(); ++s) {
+      const auto& f = *fixtures[s];
+      layer.add_stream(f.pages, f.key_params, f.value_params, f.tail_keys, f.tail_values);
+      queries.insert(queries.end(), data[s].queries.begin(), data[s].queries.end());
+    }
+    REQUIRE(pool.pages_in_use() == total_pages);
+    gpu::DeviceBuffer<float> device_queries{std::span<const float>(queries)};
+    gpu::DeviceBuffer<float> out(queries.size());
+    layer.attend(device_queries.data(), out.data());
+    gpu::check(cudaDeviceSynchronize(), "attention");
+    device_out = out.download();
+  }
+
+  [[nodiscard]] std::vector<float> reference(std::size_t s) const {
+    const auto& f = *fixtures[s];
+    std::vector<float> expected(static_cast<std::size_t>(group) * head_dim);
+    kernels::reference::attend_stream(f.quantizer.key, f.quantizer.value, f.run(), f.key_params, f.value_params,
+                                      f.tail(), data[s].queries.data(), group, expected.data());
+    return expected;
+  }
+  [[nodiscard]] const float* output(std::size_t s) const {
+    return device_out.data() + s * static_cast<std::size_t>(group) * head_dim;
+  }
+};
+
+/// Every stream within the fp32 bound of support/error_bound.hpp (the device computes in fp32,
+/// in another order than the reference's double).
+template <class Quantizer>
+void check_against_reference(index_t page_size, index_t head_dim, index_t group, const std::vector<StreamShape>& shapes,
+                             std::uint32_t seed) {
+  const DeviceRun<Quantizer> run(page_size, head_dim, group, shapes, seed);
+  for (std::size_t s = 0; s < shapes.size(); ++s) {
+    const std::vector<float> expected = run.reference(s);
+    const double bound = test::error_bound(*run.fixtures[s], run.data[s].queries, group, false, nullptr);
+    double worst = 0.0;
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      const double error = std::fabs(static_cast<double>(run.output(s)[i]) - expected[i]);
+      worst = std::isnan(error) ? std::numeric_limits<double>::infinity() : std::max(worst, error);
+    }
+    INFO(Quantizer::name() << " page_size " << page_size << " head_dim " << head_dim << " group " << group
+                           << " stream " << s << " (" << shapes[s].pages << " pages + " << shapes[s].tail
+                           << " rows): error " << worst << ", bound " << bound);
+    CHECK(worst <= bound);
+  }
+}
+
+template <class Quantizer>
+void check_quantizer() {
+  // One launch, streams of very different lengths: a long one (many splits), one page, tail only,
+  // pages plus a tail that is not a multiple of the page size.
+  check_against_reference<Quantizer>(32, 128, 4, {{97, 31}, {1, 0}, {0, 7}, {40, 13}}, 100);
+  check_against_reference<Quantizer>(64, 64, 1, {{9, 0}, {3, 50}}, 200);
+  check_against_reference<Quantizer>(32, 96, 3, {{12, 5}}, 300);
+  check_against_reference<Quantizer>(64, 128, 12, {{6, 1}, {30, 0}}, 400);  // two passes of 8 heads
+  check_against_reference<Quantizer>(128, 64, 2, {{5, 100}}, 500);
+}
+
+}  // namespace
+
+TEST_CASE("CUDA attention matches the reference: Float<float|half|bfloat16>", "[cuda]") {
+  check_quantizer<quant::Float<float>>();
+  check_quantizer<quant::Float<kvpack::half>>();
+  check_quantizer<quant::Float<kvpack::bfloat16>>();
+}
+
+TEST_CASE("CUDA attention matches the reference: FP8 E4M3FN and E5M2", "[cuda]") {
+  check_quantizer<quant::FP8<quant::E4M3FN>>();
+  check_quantizer<quant::FP8<quant::E5M2>>();
+}
+
+TEST_CASE("CUDA attention matches the reference: Int8, Q8_0, Q4_0", "[cuda]") {
+  check_quantizer<quant::Int8>();
+  check_quantizer<quant::Q8_0>();
+  check_quantizer<quant::Q4_0>();
+  check_against_reference<quant::Q4_0>(256, 128, 4, {{3, 200}}, 600);  // the largest page
+}
+
+TEST_CASE("CUDA attention matches the reference: KIVI-2 and KIVI-4", "[cuda]") {
+  check_quantizer<quant::KIVI<2, 32>>();
+  check_quantizer<quant::KIVI<4, 32>>();
+  check_against_reference<quant::KIVI<4, 64>>(64, 128, 4, {{20, 9}}, 700);
+}
+
+TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {
+  using Q = quant::Float<kvpack::half>;
+  const DeviceRun<Q> run(32, 64, 2, {{4, 3}, {5, 1}}, 800, [](test::StreamFixture<Q>& f) {
+    // Key of token 5, channel 2 of the first page (channel-major fp16): a NaN.
+    const std::uint16_t nan = 0x7E00;
+    std::memcpy(const_cast<std::byte*>(f.pages[0]) + (2 * 32 + 5) * 2, &nan, 2);
+  });
+  for (index_t i = 0; i < 2 * 64; ++i) CHECK(std::isnan(run.output(0)[i]));
+  const std::vector<float> expected = run.reference(1);
+  const double bound = test::error_bound(*run.fixtures[1], run.data[1].queries, 2, false, nullptr);
+  for (std::size_t i = 0; i < expected.size(); ++i) CHECK(std::fabs(run.output(1)[i] - expected[i]) <= bound);
+}
+
+TEST_CASE("pages too large for shared memory are rejected with a clear error", "[cuda]") {
+  using Q = quant::Float<float>;  // 256 tokens x 128 channels x 4 bytes x 2 planes = 256 KiB a page
+  CHECK_THROWS_MATCHES((DeviceRun<Q>(256, 128, 4, {{2, 0}}, 900)), Error,
+                       Catch::Matchers::Predicate<Error>([](const Error& e) {
+                         return e.code() == ErrorCode::kUnsupported &&
+                                std::string(e.what()).find("shared memory") != std::string::npos;
+                       }));
+}
+
+TEST_CASE("a full device pool rejects a stream and keeps its pages", "[cuda]") {
+  using Q = quant::Q4_0;
+  const auto data = make_stream_data(5 * 32, 64, 1, 1000);
+  test::StreamFixture<Q> f(32, 64, 5, 0, data.keys, data.values);
+  gpu::DevicePagePool pool({f.payload_bytes, 0}, 7);
+  gpu::DeviceLayer<Q::key_codec, Q::value_codec> layer(pool, 1, 32, 64, f.value_offset);
+  layer.add_stream(f.pages, {}, {}, {}, {});
+  REQUIRE(pool.pages_in_use() == 5);
+  test::StreamFixture<Q> g(32, 64, 5, 0, data.keys, data.values);  // other host pages: 5 more needed
+  CHECK_THROWS_AS(layer.add_stream(g.pages, {}, {}, {}, {}), OutOfPages);
+  CHECK(pool.pages_in_use() == 5);
+  CHECK(layer.streams() == 1);
+  layer.add_stream(f.pages, {}, {}, {}, {});  // the same host pages again: shared, no new page
+  CHECK(pool.pages_in_use() == 5);
+}
+
+TEST_CASE("mirror_layer runs a host cache's layer on the device", "[cuda]") {
+  using Cache = KVCache<layout::GQA, quant::Q4_0, evict::KeepAll>;
+  const ModelShape shape{2, 8, 4, 64};
+  CacheConfig config;
+  config.page_size = 32;
+  config.tail_tokens = 32;
+  config.exact_prefix_tokens = 3;
+  Cache cache(shape, config);
+  const SeqId seq = cache.add_sequence();
+  const auto keys = test::random_rows(300 * 4, 64, 1100, 4, 10.0f);
+  const auto values = test::random_rows(300 * 4, 64, 1101);
+  for (index_t layer = 0; layer < 2; ++layer) {
+    cache.prefill(seq, layer, std::span<const float>(keys), std::span<const float>(values));
+  }
+  gpu::DevicePagePool pool(cache.page_format_info(), 256);
+  auto device = gpu::mirror_layer(cache, seq, 1, pool);
+  CHECK(device.streams() == 4);
+
+  const auto query = test::random_rows(8, 64, 1102);
+  const float scale = 1.0f / 8.0f;
+  std::vector<float> scaled(query);
+  for (float& q : scaled) q *= scale;
+  gpu::DeviceBuffer<float> device_query{std::span<const float>(scaled)};
+  gpu::DeviceBuffer<float> out(scaled.size());
+  device.attend(device_query.data(), out.data());
+  gpu::check(cudaDeviceSynchronize(), "attention");
+  const std::vector<float> got = out.download();
+
+  // Exact attention over what the cache stores (read_back: decoded pages and fp32 rows).
+  for (index_t s = 0; s < 4; ++s) {
+    const StoredTokens stored = cache.read_back(seq, 1, s);
+    double max_value = 0.0;
+    for (float v : stored.values) max_value = std::max(max_value, static_cast<double>(std::fabs(v)));
+    for (index_t h = 0; h < 2; ++h) {
+      const float* q = &scaled[(static_cast<std::size_t>(s) * 2 + h) * 64];
+      std::vector<double> scores(stored.size());
+      double top = -std::numeric_limits<double>::infinity();
+      for (index_t t = 0; t < stored.size(); ++t) {
+        double dot = 0.0;
+        for (index_t c = 0; c < 64; ++c) dot += static_cast<double>(q[c]) * stored.keys[static_cast<std::size_t>(t) * 64 + c];
+        scores[t] = dot;
+        top = std::max(top, dot);
+      }
+      double sum = 0.0;
+      std::vector<double> acc(64, 0.0);
+      for (index_t t = 0; t < stored.size(); ++t) {
+        const double w = std::exp(scores[t] - top);
+        sum += w;
+        for (index_t c = 0; c < 64; ++c) acc[c] += w * stored.values[static_cast<std::size_t>(t) * 64 + c];
+      }
+      for (index_t c = 0; c < 64; ++c) {
+        CHECK(std::fabs(got[(static_cast<std::size_t>(s) * 2 + h) * 64 + c] - acc[c] / sum) <= 1e-5 * max_value + 1e-6);
+      }
+    }
+  }
+  config.key_rope = RopeSpec{};
+  Cache rotated(shape, config);
+  const SeqId other = rotated.add_sequence();
+  rotated.prefill(other, 0, std::span<const float>(keys), std::span<const float>(values));
+  CHECK_THROWS_AS(gpu::mirror_layer(rotated, other, 0, pool), Error);
+}
+
+int main(int argc, char** argv) {
+  const kvpack::kernels::cuda::DeviceAvailability device = kvpack::kernels::cuda::device_availability();
+  if (device.count == 0) {
+    std::printf("SKIPPED: the CUDA kernel tests need a GPU (%s)\n", device.reason.c_str());
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}
