@@ -1,5 +1,5 @@
-// The CUDA kernels' per-element decoders (kernels/cuda/element_decode.hpp), compiled for the
-// host, against every supported codec's scalar decode on the same page bytes: bit for bit, on
+// The CUDA kernels' per-element and per-pair decoders (kernels/cuda/element_decode.hpp),
+// compiled for the host, against every supported codec's scalar decode on the same page bytes: bit for bit, on
 // random pages with outlier channels, zero rows, extreme magnitudes and (where the format can
 // hold them) NaN and Inf. Runs without a GPU, so a layout mismatch is caught in every CI run.
 
@@ -56,6 +56,21 @@ void check_codec(const Codec& codec, typename Codec::params_type params, quant::
     for (index_t c = 0; c < g.head_dim; ++c) {
       const float got = Decoder::at(plane.data(), g, params, t, c);
       if (!same_float(got, expected[static_cast<std::size_t>(t) * g.head_dim + c])) ++mismatches;
+    }
+  }
+  // The pairs the kernels read: tokens (t, t + 1) of a channel, channels (c, c + 1) of a token.
+  for (index_t t = 0; t + 1 < g.page_size; t += 2) {
+    for (index_t c = 0; c < g.head_dim; ++c) {
+      const auto pair = kernels::cuda::token_pair<Decoder>(plane.data(), g, params, t, c);
+      if (!same_float(pair.first, expected[static_cast<std::size_t>(t) * g.head_dim + c])) ++mismatches;
+      if (!same_float(pair.second, expected[static_cast<std::size_t>(t + 1) * g.head_dim + c])) ++mismatches;
+    }
+  }
+  for (index_t t = 0; t < g.page_size; ++t) {
+    for (index_t c = 0; c + 1 < g.head_dim; c += 2) {
+      const auto pair = kernels::cuda::channel_pair<Decoder>(plane.data(), g, params, t, c);
+      if (!same_float(pair.first, expected[static_cast<std::size_t>(t) * g.head_dim + c])) ++mismatches;
+      if (!same_float(pair.second, expected[static_cast<std::size_t>(t) * g.head_dim + c + 1])) ++mismatches;
     }
   }
   INFO(Codec::kName << " page_size " << g.page_size << " head_dim " << g.head_dim);

@@ -11,6 +11,11 @@
 ///
 /// A codec without a specialisation is not supported on the device: `DeviceDecodable<Codec>` is
 /// false and the CUDA entry points reject it at compile time.
+///
+/// Kernels read two elements at a time: two consecutive tokens of a key channel (`token_pair`)
+/// and two consecutive channels of a value token (`channel_pair`). A decoder whose layout keeps
+/// such a pair side by side (fp16 and FP8 planes) reads it with one load; for the others the
+/// pair is two `at` calls.
 
 #include <cstddef>
 #include <cstdint>
@@ -82,12 +87,34 @@ KVPACK_HOST_DEVICE float storage_to_float(const std::byte* at) noexcept {
 
 }  // namespace decode_detail
 
+/// Two decoded elements.
+struct ElementPair {
+  float first = 0.0f;
+  float second = 0.0f;
+};
+
 template <class Codec>
 struct ElementDecoder;
 
 /// Codecs the CUDA backend can read.
 template <class Codec>
 concept DeviceDecodable = requires { ElementDecoder<Codec>::kSupported; };
+
+namespace decode_detail {
+
+/// Two consecutive 16-bit floats at `at` (4-byte aligned), decoded.
+template <class T>
+KVPACK_HOST_DEVICE ElementPair storage_pair(const std::byte* at) noexcept {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, half>) {
+    const float2 both = __half22float2(*reinterpret_cast<const __half2*>(at));
+    return {both.x, both.y};
+  }
+#endif
+  return {storage_to_float<T>(at), storage_to_float<T>(at + sizeof(T))};
+}
+
+}  // namespace decode_detail
 
 template <class T, Plane P>
 struct ElementDecoder<quant::FloatCodec<T, P>> {
@@ -96,6 +123,20 @@ struct ElementDecoder<quant::FloatCodec<T, P>> {
   KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, quant::NoParams, index_t t,
                                      index_t c) noexcept {
     return decode_detail::storage_to_float<T>(plane + quant::tile::element(g, P, t, c) * sizeof(T));
+  }
+  /// Keys are channel-major: tokens t and t + 1 (t even) of a channel are adjacent.
+  KVPACK_HOST_DEVICE static ElementPair token_pair(const std::byte* plane, quant::PageGeometry g, quant::NoParams,
+                                                   index_t t, index_t c) noexcept
+    requires(P == Plane::kKey)
+  {
+    return decode_detail::storage_pair<T>(plane + quant::tile::element(g, P, t, c) * sizeof(T));
+  }
+  /// Values are token-major: channels c and c + 1 (c even) of a token are adjacent.
+  KVPACK_HOST_DEVICE static ElementPair channel_pair(const std::byte* plane, quant::PageGeometry g, quant::NoParams,
+                                                     index_t t, index_t c) noexcept
+    requires(P == Plane::kValue)
+  {
+    return decode_detail::storage_pair<T>(plane + quant::tile::element(g, P, t, c) * sizeof(T));
   }
 };
 
@@ -106,6 +147,25 @@ struct ElementDecoder<quant::FP8Codec<Format, P>> {
                                      index_t t, index_t c) noexcept {
     const auto code = static_cast<std::uint8_t>(plane[quant::tile::element(g, P, t, c)]);
     return decode_detail::fp8_to_float<Format>(code) * params.scale;
+  }
+  /// Keys channel-major, values token-major: the pair is two adjacent bytes either way.
+  KVPACK_HOST_DEVICE static ElementPair pair(const std::byte* plane, quant::PageGeometry g, quant::FP8Params params,
+                                             index_t t, index_t c) noexcept {
+    const std::uint16_t codes = decode_detail::load<std::uint16_t>(plane + quant::tile::element(g, P, t, c));
+    return {decode_detail::fp8_to_float<Format>(static_cast<std::uint8_t>(codes & 0xFFu)) * params.scale,
+            decode_detail::fp8_to_float<Format>(static_cast<std::uint8_t>(codes >> 8)) * params.scale};
+  }
+  KVPACK_HOST_DEVICE static ElementPair token_pair(const std::byte* plane, quant::PageGeometry g, quant::FP8Params params,
+                                                   index_t t, index_t c) noexcept
+    requires(P == Plane::kKey)
+  {
+    return pair(plane, g, params, t, c);
+  }
+  KVPACK_HOST_DEVICE static ElementPair channel_pair(const std::byte* plane, quant::PageGeometry g,
+                                                     quant::FP8Params params, index_t t, index_t c) noexcept
+    requires(P == Plane::kValue)
+  {
+    return pair(plane, g, params, t, c);
   }
 };
 
@@ -187,5 +247,27 @@ struct ElementDecoder<quant::KiviTokenCodec<Bits, Group, P>> {
                               plane + Codec::mins_offset(g) + meta);
   }
 };
+
+/// Tokens t and t + 1 (t even) of key channel c.
+template <class Decoder, class Params>
+KVPACK_HOST_DEVICE ElementPair token_pair(const std::byte* plane, quant::PageGeometry g, const Params& params, index_t t,
+                                          index_t c) noexcept {
+  if constexpr (requires { Decoder::token_pair(plane, g, params, t, c); }) {
+    return Decoder::token_pair(plane, g, params, t, c);
+  } else {
+    return {Decoder::at(plane, g, params, t, c), Decoder::at(plane, g, params, t + 1, c)};
+  }
+}
+
+/// Channels c and c + 1 (c even) of value token t.
+template <class Decoder, class Params>
+KVPACK_HOST_DEVICE ElementPair channel_pair(const std::byte* plane, quant::PageGeometry g, const Params& params,
+                                            index_t t, index_t c) noexcept {
+  if constexpr (requires { Decoder::channel_pair(plane, g, params, t, c); }) {
+    return Decoder::channel_pair(plane, g, params, t, c);
+  } else {
+    return {Decoder::at(plane, g, params, t, c), Decoder::at(plane, g, params, t, c + 1)};
+  }
+}
 
 }  // namespace kvpack::inline v0::kernels::cuda

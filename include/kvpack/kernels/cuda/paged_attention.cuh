@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -51,22 +53,51 @@ struct PagedAttentionArgs {
 
 namespace attention_detail {
 
-inline constexpr int kThreads = 128;
+inline constexpr int kThreads = 256;
+inline constexpr int kMaxHeadDim = 2 * kThreads;  ///< one value channel pair per thread at most
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kMaxHeads = 8;        ///< query heads per pass (registers per thread)
-inline constexpr int kStepTokens = 64;     ///< tokens per pipeline step (at least one page)
-inline constexpr std::size_t kStagingBudget = 96u << 10;  ///< both staging buffers, bytes
+inline constexpr int kStepTokens = 64;     ///< most tokens per pipeline step (at least one page)
+/// Most payload bytes per step (one page at least): small steps keep shared memory per block
+/// low, so several blocks share each SM and their copies overlap each other's arithmetic.
+inline constexpr std::size_t kStepBytes = 32u << 10;
+inline constexpr int kBlocksPerSm = 8;     ///< blocks a launch aims for, per SM
 
 /// How a launch is cut: pages per step, splits per stream, shared memory per block.
 struct LaunchPlan {
   index_t step_pages = 1;
   index_t step_tokens = 0;
-  index_t threads_per_token = 1;  ///< score threads sharing one token's channels
+  index_t threads_per_token = 1;  ///< score threads sharing one token pair's channels
+  index_t value_lanes = 1;        ///< value threads per channel pair, each over every value_lanes-th token
   index_t splits = 1;
   index_t passes = 1;
   std::size_t staging_bytes = 0;  ///< one staging buffer
+  std::size_t floats_offset = 0;  ///< where the float arrays start, after the staging buffers
   std::size_t shared_bytes = 0;
 };
+
+/// heads[h] = p[h] for h < G, with the widest shared-memory loads G allows (p is 16-byte
+/// aligned for G ≥ 4, 8-byte for G = 2): query and weights are stored head-minor so one load
+/// serves every head of the pass.
+template <int G>
+__device__ __forceinline__ void load_heads(const float* p, float (&heads)[G]) {
+  if constexpr (G % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < G / 4; ++j) {
+      const float4 v = reinterpret_cast<const float4*>(p)[j];
+      heads[4 * j] = v.x;
+      heads[4 * j + 1] = v.y;
+      heads[4 * j + 2] = v.z;
+      heads[4 * j + 3] = v.w;
+    }
+  } else if constexpr (G == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    heads[0] = v.x;
+    heads[1] = v.y;
+  } else {
+    heads[0] = p[0];
+  }
+}
 
 __device__ inline float warp_max(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
@@ -96,12 +127,13 @@ __global__ void __launch_bounds__(kThreads)
   const ValueParams value_params = a.value_params[stream];
 
   extern __shared__ __align__(16) unsigned char shared[];
-  std::byte* staging[2] = {reinterpret_cast<std::byte*>(shared),
-                           reinterpret_cast<std::byte*>(shared) + plan.staging_bytes};
-  float* q = reinterpret_cast<float*>(shared + 2 * plan.staging_bytes);  // [G][d]
-  float* acc = q + G * d;                                                   // [G][d]
-  float* scores = acc + G * d;                                              // [tpt][G][T]
-  float* run_max = scores + tpt * G * T;                                    // [G]
+  // Buffer b of the two staging buffers. Computed, never stored in an array: a pointer read back
+  // from (local) memory loses its shared address space and every page read becomes a generic load.
+  auto staging = [&](index_t b) { return reinterpret_cast<std::byte*>(shared) + (b & 1) * plan.staging_bytes; };
+  float* q = reinterpret_cast<float*>(shared + plan.floats_offset);     // [d][G], head-minor
+  float* scores = q + G * d;                                                // [tpt][G][T]
+  float* weights = scores + tpt * G * T;                                    // [T][G], head-minor
+  float* run_max = weights + G * T;                                         // [G]
   float* run_sum = run_max + G;
   float* rescale = run_sum + G;
 
@@ -116,24 +148,41 @@ __global__ void __launch_bounds__(kThreads)
 
   for (index_t i = threadIdx.x; i < G * d; i += kThreads) {
     const index_t h = i / d;
-    q[i] = h < heads ? a.queries[(static_cast<std::size_t>(stream) * a.group + first_head + h) * d + i % d] : 0.0f;
-    acc[i] = 0.0f;
+    const index_t c = i % d;
+    q[c * G + h] = h < heads ? a.queries[(static_cast<std::size_t>(stream) * a.group + first_head + h) * d + c] : 0.0f;
   }
+  // Work is done on pairs (ElementDecoder's token_pair and channel_pair), so each read can cover
+  // two elements. This thread's value channels (channel, channel + 1) and token lane: it
+  // accumulates them over tokens lane, lane + value_lanes, ... of every step, in registers.
+  const index_t channel = 2 * (threadIdx.x % (d / 2));
+  const index_t lane_of_tokens = threadIdx.x / (d / 2);
+  const bool accumulates = lane_of_tokens < plan.value_lanes;
+  // This thread's score tokens (score_token, score_token + 1) within a step, and its share of
+  // their channels.
+  const index_t score_token = 2 * (threadIdx.x % (T / 2));
+  const index_t score_part = threadIdx.x / (T / 2);
+  const index_t share = (d + tpt - 1) / tpt;
+  float acc[G][2];
+#pragma unroll
+  for (int h = 0; h < G; ++h) acc[h][0] = acc[h][1] = 0.0f;
   if (threadIdx.x < G) {
     run_max[threadIdx.x] = -INFINITY;
     run_sum[threadIdx.x] = 0.0f;
   }
 
-  const std::size_t chunks_per_page = a.payload_bytes / 16;
+  // 32-bit loop arithmetic: a 64-bit division per 16-byte chunk once cost more than the math.
+  const int chunks_per_page = static_cast<int>(a.payload_bytes / 16);
   auto stage = [&](index_t step) {
     if (step >= page_steps) return;
     const index_t page0 = page_begin + step * plan.step_pages;
     const index_t pages = min(plan.step_pages, page_end - page0);
-    std::byte* dst = staging[step & 1];
-    for (std::size_t i = threadIdx.x; i < pages * chunks_per_page; i += kThreads) {
-      const std::size_t page = i / chunks_per_page;
-      const std::size_t offset = (i % chunks_per_page) * 16;
-      __pipeline_memcpy_async(dst + page * a.payload_bytes + offset, a.pages[first + page0 + page] + offset, 16);
+    std::byte* dst = staging(step);
+    for (index_t page = 0; page < pages; ++page) {
+      std::byte* to = dst + static_cast<std::size_t>(page) * a.payload_bytes;
+      const std::byte* from = a.pages[first + page0 + page];
+      for (int chunk = threadIdx.x; chunk < chunks_per_page; chunk += kThreads) {
+        __pipeline_memcpy_async(to + 16 * chunk, from + 16 * chunk, 16);
+      }
     }
   };
   stage(0);
@@ -146,7 +195,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 
     const bool paged = step < page_steps;
-    const std::byte* tile = staging[step & 1];
+    const std::byte* tile = staging(step);
     const index_t tail_first = (step - page_steps) * T;
     const index_t tokens = paged ? min(plan.step_pages, page_end - page_begin - step * plan.step_pages) * P
                                  : min(T, tail_rows - tail_first);
@@ -154,32 +203,43 @@ __global__ void __launch_bounds__(kThreads)
     const float* tail_k = paged ? nullptr : a.tail_keys + tail_row * d;
     const float* tail_v = paged ? nullptr : a.tail_values + tail_row * d;
 
-    // Scores: tpt threads per token, each over a contiguous share of the channels.
-    const index_t share = (d + tpt - 1) / tpt;
-    for (index_t i = threadIdx.x; i < tpt * T; i += kThreads) {
-      const index_t t = i % T;
-      const index_t part = i / T;
-      if (t >= tokens) continue;
-      float s[G];
+    // Scores: tpt threads per token pair (T/2 · tpt ≤ kThreads), each over a share of channels.
+    if (score_part < tpt && score_token < tokens) {
+      const index_t t = score_token;
+      const index_t part = score_part;
+      float s0[G], s1[G];
 #pragma unroll
-      for (int h = 0; h < G; ++h) s[h] = 0.0f;
+      for (int h = 0; h < G; ++h) s0[h] = s1[h] = 0.0f;
       const index_t c_end = min(d, (part + 1) * share);
-      if (paged) {
-        const std::byte* plane = tile + static_cast<std::size_t>(t / P) * a.payload_bytes;
-        for (index_t c = part * share; c < c_end; ++c) {
-          const float k = KeyDecoder::at(plane, geometry, key_params, t % P, c);
+      auto add = [&](index_t c, ElementPair k) {
+        float qc[G];
+        load_heads<G>(q + c * G, qc);
 #pragma unroll
-          for (int h = 0; h < G; ++h) s[h] += q[h * d + c] * k;
+        for (int h = 0; h < G; ++h) {
+          s0[h] = fmaf(qc[h], k.first, s0[h]);
+          s1[h] = fmaf(qc[h], k.second, s1[h]);
+        }
+      };
+      if (paged) {
+        // Pages hold an even number of slots: both tokens sit in the same page.
+        const std::byte* plane = tile + static_cast<std::size_t>(t / P) * a.payload_bytes;
+        const index_t slot = t % P;
+#pragma unroll 4
+        for (index_t c = part * share; c < c_end; ++c) {
+          add(c, token_pair<KeyDecoder>(plane, geometry, key_params, slot, c));
         }
       } else {
-        for (index_t c = part * share; c < c_end; ++c) {
-          const float k = tail_k[static_cast<std::size_t>(t) * d + c];
-#pragma unroll
-          for (int h = 0; h < G; ++h) s[h] += q[h * d + c] * k;
-        }
+        // A tail step may end on an odd row: its pair partner is then a zero row, never used.
+        const float* row0 = tail_k + static_cast<std::size_t>(t) * d;
+        const float* row1 = t + 1 < tokens ? row0 + d : row0;
+#pragma unroll 4
+        for (index_t c = part * share; c < c_end; ++c) add(c, {row0[c], row1[c]});
       }
 #pragma unroll
-      for (int h = 0; h < G; ++h) scores[(part * G + h) * T + t] = s[h];
+      for (int h = 0; h < G; ++h) {
+        scores[(part * G + h) * T + t] = s0[h];
+        scores[(part * G + h) * T + t + 1] = s1[h];
+      }
     }
     __syncthreads();
 
@@ -200,7 +260,7 @@ __global__ void __launch_bounds__(kThreads)
       float sum = 0.0f;
       for (index_t t = lane; t < tokens; t += 32) {
         const float w = expf(scores[h * T + t] - new_max);
-        scores[h * T + t] = w;
+        weights[t * G + h] = w;
         sum += w;
       }
       sum = warp_sum(sum);
@@ -213,64 +273,114 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    // Values: one thread per channel, every token of the step, all heads at once.
-    for (index_t c = threadIdx.x; c < d; c += kThreads) {
-      float sum[G];
+    // Values: all heads at once, each thread its channel over its lane of the step's tokens.
+    if (accumulates) {
 #pragma unroll
-      for (int h = 0; h < G; ++h) sum[h] = acc[h * d + c] * rescale[h];
+      for (int h = 0; h < G; ++h) {
+        acc[h][0] *= rescale[h];
+        acc[h][1] *= rescale[h];
+      }
+      auto add = [&](index_t t, ElementPair v) {
+        float w[G];
+        load_heads<G>(weights + t * G, w);
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          acc[h][0] = fmaf(w[h], v.first, acc[h][0]);
+          acc[h][1] = fmaf(w[h], v.second, acc[h][1]);
+        }
+      };
+      const index_t lanes = plan.value_lanes;
       if (paged) {
         // A paged step holds whole pages: walk them page by page (no division per token).
         for (index_t page = 0; page * P < tokens; ++page) {
           const std::byte* plane = tile + static_cast<std::size_t>(page) * a.payload_bytes + a.value_offset;
-          const float* weights = scores + page * P;
-          for (index_t slot = 0; slot < P; ++slot) {
-            const float v = ValueDecoder::at(plane, geometry, value_params, slot, c);
-#pragma unroll
-            for (int h = 0; h < G; ++h) sum[h] += weights[h * T + slot] * v;
+#pragma unroll 4
+          for (index_t slot = lane_of_tokens; slot < P; slot += lanes) {
+            add(page * P + slot, channel_pair<ValueDecoder>(plane, geometry, value_params, slot, channel));
           }
         }
       } else {
-        for (index_t t = 0; t < tokens; ++t) {
-          const float v = tail_v[static_cast<std::size_t>(t) * d + c];
-#pragma unroll
-          for (int h = 0; h < G; ++h) sum[h] += scores[h * T + t] * v;
+#pragma unroll 4
+        for (index_t t = lane_of_tokens; t < tokens; t += lanes) {
+          const float* row = tail_v + static_cast<std::size_t>(t) * d + channel;
+          add(t, {row[0], row[1]});
         }
       }
-#pragma unroll
-      for (int h = 0; h < G; ++h) acc[h * d + c] = sum[h];
     }
     __syncthreads();  // the next step stages into the buffer this one read
   }
 
+  // Sum the token lanes (through the staging memory, free now) and write the split's partials.
+  float* lane_sums = reinterpret_cast<float*>(shared);  // [value_lanes][G][d]
+  if (accumulates) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      lane_sums[(lane_of_tokens * G + h) * d + channel] = acc[h][0];
+      lane_sums[(lane_of_tokens * G + h) * d + channel + 1] = acc[h][1];
+    }
+  }
+  __syncthreads();
   const std::size_t row = (static_cast<std::size_t>(stream) * gridDim.x + split) * a.group + first_head;
-  for (index_t i = threadIdx.x; i < heads * d; i += kThreads) part_acc[row * d + i] = acc[i];
+  for (index_t i = threadIdx.x; i < heads * d; i += kThreads) {
+    float total = 0.0f;
+    for (index_t lane = 0; lane < plan.value_lanes; ++lane) total += lane_sums[lane * G * d + i];
+    part_acc[row * d + i] = total;
+  }
   if (threadIdx.x < heads) {
     part_max[row + threadIdx.x] = run_max[threadIdx.x];
     part_sum[row + threadIdx.x] = run_sum[threadIdx.x];
   }
 }
 
-/// out[stream][h] = Σ_split e^(m_split − M) acc_split / Σ_split e^(m_split − M) sum_split.
+/// out[stream][h] = Σ_split e^(m_split − M) acc_split / Σ_split e^(m_split − M) sum_split. One block
+/// per (head, stream): the split weights are computed once into shared memory, then every thread
+/// sums its channel over the splits with independent loads (a serial chain of hundreds of global
+/// reads per thread once took as long as the attention itself).
 __global__ void __launch_bounds__(kThreads)
     combine_kernel(const float* part_max, const float* part_sum, const float* part_acc, index_t splits,
                    index_t group, index_t d, float* out) {
+  extern __shared__ float split_weight[];  // [splits]
+  __shared__ float reduce[kWarps];
+  __shared__ float shared_top;
   const index_t stream = blockIdx.y;
   const index_t h = blockIdx.x;
   auto row = [&](index_t split) { return (static_cast<std::size_t>(stream) * splits + split) * group + h; };
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
   float top = -INFINITY;
-  for (index_t s = 0; s < splits; ++s) top = fmaxf(top, part_max[row(s)]);
-  float denominator = 0.0f;
-  for (index_t s = 0; s < splits; ++s) {
-    const float m = part_max[row(s)];
-    if (m != -INFINITY) denominator += expf(m - top) * part_sum[row(s)];
+  for (index_t s = threadIdx.x; s < splits; s += kThreads) top = fmaxf(top, part_max[row(s)]);
+  top = warp_max(top);
+  if (lane == 0) reduce[warp] = top;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, reduce[w]);
+    shared_top = m;
   }
+  __syncthreads();
+  top = shared_top;
+
+  float denominator = 0.0f;
+  for (index_t s = threadIdx.x; s < splits; s += kThreads) {
+    const float m = part_max[row(s)];
+    const float weight = m == -INFINITY ? 0.0f : expf(m - top);
+    split_weight[s] = weight;
+    denominator += weight * part_sum[row(s)];
+  }
+  denominator = warp_sum(denominator);
+  __syncthreads();  // every reduce[] read above is done
+  if (lane == 0) reduce[warp] = denominator;
+  __syncthreads();
+  denominator = 0.0f;
+  for (int w = 0; w < kWarps; ++w) denominator += reduce[w];
   const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+
   for (index_t c = threadIdx.x; c < d; c += kThreads) {
     float numerator = 0.0f;
-    for (index_t s = 0; s < splits; ++s) {
-      const float m = part_max[row(s)];
-      if (m != -INFINITY) numerator += expf(m - top) * part_acc[row(s) * d + c];
-    }
+    // A split that saw no token has weight 0 and a zero accumulator.
+#pragma unroll 8
+    for (index_t s = 0; s < splits; ++s) numerator += split_weight[s] * part_acc[row(s) * d + c];
     out[(static_cast<std::size_t>(stream) * group + h) * d + c] = numerator * inverse;
   }
 }
@@ -295,34 +405,63 @@ class AttentionWorkspace {
   DeviceBuffer<float> max_, sum_, acc_;
 };
 
+/// Query heads one block serves: the smallest of 1, 2, 4, 8 covering the group (8 for larger
+/// groups, read in several passes).
+inline index_t heads_per_pass(index_t group) noexcept { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
+
+/// What a launch needs to know of the current device, read once per device (attribute queries
+/// cost microseconds; a decode step must not pay them).
+struct DeviceLimits {
+  int multiprocessors = 0;
+  int shared_per_block = 0;
+};
+inline const DeviceLimits& device_limits() {
+  static std::mutex mutex;
+  static std::vector<DeviceLimits> per_device;
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard lock(mutex);
+  if (per_device.size() <= static_cast<std::size_t>(device)) per_device.resize(device + 1);
+  DeviceLimits& limits = per_device[device];
+  if (limits.multiprocessors == 0) {
+    check(cudaDeviceGetAttribute(&limits.multiprocessors, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&limits.shared_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+          "cudaDeviceGetAttribute");
+  }
+  return limits;
+}
+
 /// The launch shape for these arguments on the current device: enough blocks to keep every
-/// multiprocessor streaming (about four per SM), no split shorter than two pages.
+/// multiprocessor streaming (about kBlocksPerSm per SM), no split shorter than two pages.
 template <class KeyParams, class ValueParams>
 attention_detail::LaunchPlan plan_launch(const PagedAttentionArgs<KeyParams, ValueParams>& a, index_t max_pages_per_stream) {
   using namespace attention_detail;
   LaunchPlan plan;
-  plan.step_pages = std::max<index_t>(1, kStepTokens / a.page_size);
-  while (plan.step_pages > 1 && 2 * plan.step_pages * a.payload_bytes > kStagingBudget) --plan.step_pages;
+  plan.step_pages = std::clamp<index_t>(static_cast<index_t>(kStepBytes / a.payload_bytes), 1,
+                                        std::max<index_t>(1, kStepTokens / a.page_size));
   plan.step_tokens = plan.step_pages * a.page_size;
-  plan.threads_per_token = std::max<index_t>(1, kThreads / plan.step_tokens);
+  // Each score thread owns one token of a step: a step never holds more tokens than threads
+  // (page_size ≤ 256 = kThreads, and several pages only up to kStepTokens).
+  KVPACK_CHECK(plan.step_tokens <= kThreads, kUnsupported,
+               ::kvpack::detail::message("CUDA attention supports page_size up to ", kThreads, ", got ", a.page_size));
+  plan.threads_per_token = std::max<index_t>(1, kThreads / (plan.step_tokens / 2));
+  plan.value_lanes = kThreads / (a.head_dim / 2);
   plan.passes = (a.group + kMaxHeads - 1) / kMaxHeads;
   plan.staging_bytes = static_cast<std::size_t>(plan.step_pages) * a.payload_bytes;
-  const std::size_t floats = 2 * static_cast<std::size_t>(kMaxHeads) * a.head_dim +
-                             static_cast<std::size_t>(plan.threads_per_token) * kMaxHeads * plan.step_tokens +
-                             3 * kMaxHeads;
-  plan.shared_bytes = 2 * plan.staging_bytes + floats * sizeof(float);
+  const std::size_t G = static_cast<std::size_t>(std::min<index_t>(heads_per_pass(a.group), kMaxHeads));
+  const std::size_t floats = G * a.head_dim + static_cast<std::size_t>(plan.threads_per_token + 1) * G * plan.step_tokens + 3 * G;
+  // The staging buffers are reused for the token lanes' sums at the end.
+  const std::size_t staging = std::max(2 * plan.staging_bytes, plan.value_lanes * G * a.head_dim * sizeof(float));
+  plan.floats_offset = (staging + 15) / 16 * 16;
+  plan.shared_bytes = plan.floats_offset + floats * sizeof(float);
 
-  int device = 0;
-  int sms = 0;
-  int shared_limit = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
-  KVPACK_CHECK(plan.shared_bytes <= static_cast<std::size_t>(shared_limit), kUnsupported,
+  const DeviceLimits& limits = device_limits();
+  const int sms = limits.multiprocessors;
+  KVPACK_CHECK(plan.shared_bytes <= static_cast<std::size_t>(limits.shared_per_block), kUnsupported,
                ::kvpack::detail::message("CUDA attention: a page of ", a.payload_bytes, " bytes needs ", plan.shared_bytes,
-                                         " bytes of shared memory per block; this device allows ", shared_limit));
+                                         " bytes of shared memory per block; this device allows ", limits.shared_per_block));
   const index_t blocks_per_split = a.streams * plan.passes;
-  const index_t wanted = (4 * sms + blocks_per_split - 1) / blocks_per_split;
+  const index_t wanted = (kBlocksPerSm * sms + blocks_per_split - 1) / blocks_per_split;
   plan.splits = std::clamp<index_t>(wanted, 1, std::max<index_t>(1, max_pages_per_stream / 2));
   return plan;
 }
@@ -340,29 +479,34 @@ void attend_paged(const PagedAttentionArgs<typename KeyCodec::params_type, typen
   KVPACK_CHECK(a.streams > 0 && a.group > 0 && a.head_dim > 0 && a.page_size > 0, kInvalidArgument,
                "CUDA attention: streams, group, head_dim and page_size must be positive");
   KVPACK_CHECK(a.payload_bytes % 64 == 0, kInvalidArgument, "CUDA attention: payload_bytes must be a multiple of 64");
+  KVPACK_CHECK(a.head_dim <= kMaxHeadDim && a.head_dim % 2 == 0, kUnsupported,
+               ::kvpack::detail::message("CUDA attention supports even head_dim up to ", kMaxHeadDim, ", got ",
+                                         a.head_dim));
   const LaunchPlan plan = plan_launch(a, max_pages);
   workspace.reserve(static_cast<std::size_t>(a.streams) * plan.splits * a.group, a.head_dim);
 
   auto launch = [&](auto heads) {
     constexpr int G = decltype(heads)::value;
     auto* kernel = &split_kernel<ElementDecoder<KeyCodec>, ElementDecoder<ValueCodec>, G, KP, VP>;
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.shared_bytes)),
-          "cudaFuncSetAttribute");
+    // Raise the kernel's shared-memory limit only when a launch needs more than granted so far.
+    static std::atomic<std::size_t> granted{48u << 10};
+    if (plan.shared_bytes > granted.load(std::memory_order_relaxed)) {
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_limits().shared_per_block),
+            "cudaFuncSetAttribute");
+      granted.store(static_cast<std::size_t>(device_limits().shared_per_block), std::memory_order_relaxed);
+    }
     const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(a.streams), static_cast<unsigned>(plan.passes));
     kernel<<<grid, kThreads, plan.shared_bytes, stream>>>(a, plan, workspace.max(), workspace.sum(), workspace.acc());
   };
-  // Heads per pass: the smallest of 1, 2, 4, 8 that covers the group (or 8 and several passes).
-  if (a.group == 1) {
-    launch(std::integral_constant<int, 1>{});
-  } else if (a.group == 2) {
-    launch(std::integral_constant<int, 2>{});
-  } else if (a.group <= 4) {
-    launch(std::integral_constant<int, 4>{});
-  } else {
-    launch(std::integral_constant<int, 8>{});
+  switch (heads_per_pass(a.group)) {
+    case 1: launch(std::integral_constant<int, 1>{}); break;
+    case 2: launch(std::integral_constant<int, 2>{}); break;
+    case 4: launch(std::integral_constant<int, 4>{}); break;
+    default: launch(std::integral_constant<int, 8>{}); break;
   }
   check(cudaGetLastError(), "split kernel launch");
-  combine_kernel<<<dim3(static_cast<unsigned>(a.group), static_cast<unsigned>(a.streams)), kThreads, 0, stream>>>(
+  combine_kernel<<<dim3(static_cast<unsigned>(a.group), static_cast<unsigned>(a.streams)), kThreads,
+                   static_cast<std::size_t>(plan.splits) * sizeof(float), stream>>>(
       workspace.max(), workspace.sum(), workspace.acc(), plan.splits, a.group, a.head_dim, a.out);
   check(cudaGetLastError(), "combine kernel launch");
 }
