@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
 #include "kvpack/kvpack.hpp"
 
@@ -165,6 +166,45 @@ void BM_CudaDecodeAttention(benchmark::State& state) {
   cudaEventDestroy(stop);
 }
 
+/// The append path: full pages encoded on the device from fp32 rows already there (4 sequences
+/// × 32K tokens × 8 KV heads = 1 M rows per plane). Reports the fp32 rows read per second.
+template <class Quantizer>
+void BM_CudaEncodePages(benchmark::State& state) {
+  const Quantizer q{};
+  const quant::PageGeometry g{kPageSize, kHeadDim};
+  const std::size_t value_offset = (q.key.plane_bytes(g) + 63) / 64 * 64;
+  const std::size_t payload = (value_offset + q.value.plane_bytes(g) + 63) / 64 * 64;
+  const index_t pages = 4 * 32768 / kPageSize * kKvHeads;
+  std::vector<float> rows(static_cast<std::size_t>(pages) * kPageSize * kHeadDim);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (float& x : rows) x = normal(rng);
+  const gpu::DeviceBuffer<float> device_rows{std::span<const float>(rows)};
+  gpu::DevicePagePool pool({payload, 0}, static_cast<std::size_t>(pages));
+  std::vector<std::byte*> targets(pages);
+  for (index_t i = 0; i < pages; ++i) targets[i] = pool.payload(static_cast<PageId>(i));
+  const gpu::DeviceBuffer<std::byte*> device_targets{std::span<std::byte* const>(targets)};
+  cudaEvent_t start, stop;
+  gpu::check(cudaEventCreate(&start), "event");
+  gpu::check(cudaEventCreate(&stop), "event");
+  for (auto _ : state) {
+    cudaEventRecord(start);
+    gpu::encode_pages<typename Quantizer::key_codec, typename Quantizer::value_codec>(
+        device_rows.data(), device_rows.data(), kHeadDim, pages, q.key.initial_params(0, 0),
+        q.value.initial_params(0, 0), device_targets.data(), g, value_offset);
+    cudaEventRecord(stop);
+    gpu::check(cudaEventSynchronize(stop), "encode");
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * 2 * rows.size() * sizeof(float)));
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(pages) * kPageSize,
+                                                      benchmark::Counter::kIsIterationInvariantRate);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
 void shapes(benchmark::internal::Benchmark* b) {
   b->Args({32768, 4})->Args({131072, 1})->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
 }
@@ -177,6 +217,13 @@ BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q8_0)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q4_0)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<4, 32>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<2, 32>)->Apply(shapes);
+
+void encode_shape(benchmark::internal::Benchmark* b) { b->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2); }
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Float<kvpack::half>)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::FP8<quant::E4M3FN>)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Int8)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Q4_0)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KIVI<2, 32>)->Apply(encode_shape);
 
 }  // namespace
 

@@ -1,13 +1,15 @@
 // The CUDA decode-attention kernels against the scalar reference (kernels/reference.hpp) on the
 // same page bytes, for every codec the device reads: several streams of different lengths in one
 // launch (pages not filling a split, tail rows only, hundreds of pages), outlier channels, zero
-// rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages. Without a
-// GPU the binary exits with CTest's skip code (77) and says why.
+// rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; and pages
+// encoded on the device, byte for byte against the host encoders. Without a GPU the binary exits
+// with CTest's skip code (77) and says why.
 
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -253,6 +255,71 @@ TEST_CASE("mirror_layer runs a host cache's layer on the device", "[cuda]") {
   const SeqId other = rotated.add_sequence();
   rotated.prefill(other, 0, std::span<const float>(keys), std::span<const float>(values));
   CHECK_THROWS_AS(gpu::mirror_layer(rotated, other, 0, pool), Error);
+}
+
+namespace {
+
+/// Pages appended on the device from fp32 rows there: the same bytes as the host's encoder, and
+/// attention over them within the reference's bound.
+template <class Quantizer>
+void check_device_encode(index_t page_size, index_t head_dim, index_t group, index_t pages, std::uint32_t seed) {
+  const StreamData data = make_stream_data(static_cast<std::size_t>(pages) * page_size, head_dim, group, seed);
+  const test::StreamFixture<Quantizer> host(page_size, head_dim, pages, 0, data.keys, data.values);
+  gpu::DevicePagePool pool({host.payload_bytes, 0}, static_cast<std::size_t>(pages));
+  gpu::DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> layer(pool, group, page_size,
+                                                                                        head_dim, host.value_offset);
+  layer.add_stream({}, host.key_params, host.value_params, {}, {});
+  const gpu::DeviceBuffer<float> keys{std::span<const float>(data.keys)};
+  const gpu::DeviceBuffer<float> values{std::span<const float>(data.values)};
+  layer.append_pages(0, keys.data(), values.data(), pages);
+  gpu::check(cudaDeviceSynchronize(), "encode");
+  REQUIRE(pool.pages_in_use() == static_cast<std::size_t>(pages));
+
+  const std::size_t key_bytes = host.quantizer.key.plane_bytes(host.geometry);
+  const std::size_t value_bytes = host.quantizer.value.plane_bytes(host.geometry);
+  std::vector<std::byte> page(host.payload_bytes);
+  std::size_t mismatches = 0;
+  for (index_t i = 0; i < pages; ++i) {
+    gpu::check(cudaMemcpy(page.data(), layer.page(0, i), page.size(), cudaMemcpyDeviceToHost), "download");
+    mismatches += std::memcmp(page.data(), host.pages[i], key_bytes) != 0;
+    mismatches += std::memcmp(page.data() + host.value_offset, host.pages[i] + host.value_offset, value_bytes) != 0;
+  }
+  INFO(Quantizer::name() << " page_size " << page_size << " head_dim " << head_dim << ": " << mismatches
+                         << " planes differ from the host encoder's");
+  CHECK(mismatches == 0);
+
+  gpu::DeviceBuffer<float> queries{std::span<const float>(data.queries)};
+  gpu::DeviceBuffer<float> out(data.queries.size());
+  layer.attend(queries.data(), out.data());
+  gpu::check(cudaDeviceSynchronize(), "attention");
+  const std::vector<float> got = out.download();
+  std::vector<float> expected(got.size());
+  kernels::reference::attend_stream(host.quantizer.key, host.quantizer.value, host.run(), host.key_params,
+                                    host.value_params, host.tail(), data.queries.data(), group, expected.data());
+  const double bound = test::error_bound(host, data.queries, group, false, nullptr);
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(std::fabs(got[i] - expected[i]) <= bound);
+}
+
+template <class Quantizer>
+void check_device_encode_shapes() {
+  check_device_encode<Quantizer>(32, 128, 4, 7, 1200);
+  check_device_encode<Quantizer>(64, 64, 1, 3, 1300);
+  check_device_encode<Quantizer>(128, 96, 3, 2, 1400);
+}
+
+}  // namespace
+
+TEST_CASE("pages encoded on the device equal the host encoder's bytes", "[cuda][encode]") {
+  check_device_encode_shapes<quant::Float<float>>();
+  check_device_encode_shapes<quant::Float<kvpack::half>>();
+  check_device_encode_shapes<quant::Float<kvpack::bfloat16>>();
+  check_device_encode_shapes<quant::FP8<quant::E4M3FN>>();
+  check_device_encode_shapes<quant::FP8<quant::E5M2>>();
+  check_device_encode_shapes<quant::Int8>();
+  check_device_encode_shapes<quant::Q8_0>();
+  check_device_encode_shapes<quant::Q4_0>();
+  check_device_encode_shapes<quant::KIVI<2, 32>>();
+  check_device_encode_shapes<quant::KIVI<4, 32>>();
 }
 
 int main(int argc, char** argv) {

@@ -1,8 +1,9 @@
 #pragma once
 /// \file device_layer.cuh
 /// \brief One layer's KV streams on the device: pages copied byte for byte from host payloads
-///        into a DevicePagePool, their block tables, codec parameters and full-precision rows,
-///        ready for attend_paged. `mirror_layer` builds one from a host KVCache.
+///        into a DevicePagePool (or encoded on the device from rows already there), their block
+///        tables, codec parameters and full-precision rows, ready for attend_paged.
+///        `mirror_layer` builds one from a host KVCache.
 
 #include <cuda_runtime.h>
 
@@ -13,6 +14,7 @@
 
 #include "kvpack/cache.hpp"
 #include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
 
 namespace kvpack::inline v0::kernels::cuda {
@@ -32,7 +34,6 @@ class DeviceLayer {
                  "DeviceLayer: group, page_size and head_dim must be positive");
     KVPACK_CHECK(value_offset < pool.format().payload_bytes, kInvalidArgument,
                  "DeviceLayer: value_offset lies outside the page payload");
-    first_page_.push_back(0);
   }
   DeviceLayer(const DeviceLayer&) = delete;
   DeviceLayer& operator=(const DeviceLayer&) = delete;
@@ -52,9 +53,10 @@ class DeviceLayer {
               row_values.data() + row_values.size());
     // All or nothing: on failure (device pool full, copy error) the pages taken here go back.
     const std::size_t owned_before = owned_.size();
-    const std::size_t addresses_before = page_addresses_.size();
     std::vector<const std::byte*> new_hosts;
+    std::vector<PageId> ids;
     try {
+      ids.reserve(host_pages.size());
       for (const std::byte* host : host_pages) {
         auto it = uploaded_.find(host);
         if (it == uploaded_.end()) {
@@ -64,25 +66,63 @@ class DeviceLayer {
           it = uploaded_.emplace(host, id).first;
           pool_->upload(id, host);
         }
-        page_addresses_.push_back(pool_->payload(it->second));
+        ids.push_back(it->second);
       }
       key_params_.reserve(key_params_.size() + 1);
       value_params_.reserve(value_params_.size() + 1);
       rows_.reserve(rows_.size() + 1);
-      first_page_.reserve(first_page_.size() + 1);
+      stream_pages_.reserve(stream_pages_.size() + 1);
     } catch (...) {
       for (std::size_t i = owned_before; i < owned_.size(); ++i) pool_->release(owned_[i]);
       for (const std::byte* host : new_hosts) uploaded_.erase(host);
       owned_.resize(owned_before);
-      page_addresses_.resize(addresses_before);
       throw;
     }
-    first_page_.push_back(static_cast<index_t>(page_addresses_.size()));
-    max_pages_ = std::max<index_t>(max_pages_, static_cast<index_t>(host_pages.size()));
+    stream_pages_.push_back(std::move(ids));
     key_params_.push_back(key_params);
     value_params_.push_back(value_params);
     rows_.push_back(std::move(rows));
     dirty_ = true;
+  }
+
+  /// Appends `pages` full pages to stream `s`, encoded on the device from `pages · page_size`
+  /// rows of `keys` and `values` (device memory, [rows][head_dim]), with the stream's codec
+  /// parameters. All or nothing for the pool; asynchronous on
+  /// `stream` like attend. The rows must be finite and within the codecs' max_abs_input() (the
+  /// device does not check them; the host cache does).
+  void append_pages(index_t s, const float* keys, const float* values, index_t pages, cudaStream_t stream = nullptr)
+    requires DeviceEncodable<KeyCodec> && DeviceEncodable<ValueCodec>
+  {
+    KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
+                 ::kvpack::detail::message("DeviceLayer::append_pages: stream ", s, " out of range [0, ", streams(), ")"));
+    KVPACK_CHECK(pages >= 0, kInvalidArgument, "DeviceLayer::append_pages: negative page count");
+    if (pages == 0) return;
+    std::vector<PageId> ids;
+    std::vector<std::byte*> addresses;
+    try {
+      for (index_t i = 0; i < pages; ++i) {
+        ids.push_back(pool_->allocate());
+        addresses.push_back(pool_->payload(ids.back()));
+      }
+      stream_pages_[s].reserve(stream_pages_[s].size() + ids.size());
+      owned_.reserve(owned_.size() + ids.size());
+      encode_targets_ = DeviceBuffer<std::byte*>(std::span<std::byte* const>(addresses));
+      encode_pages<KeyCodec, ValueCodec>(keys, values, head_dim_, pages, key_params_[s], value_params_[s],
+                                         encode_targets_.data(), {page_size_, head_dim_}, value_offset_, stream);
+    } catch (...) {
+      for (PageId id : ids) pool_->release(id);
+      throw;
+    }
+    stream_pages_[s].insert(stream_pages_[s].end(), ids.begin(), ids.end());
+    owned_.insert(owned_.end(), ids.begin(), ids.end());
+    dirty_ = true;
+  }
+
+  /// Device address of page `i` of stream `s` (its payload: K plane, then V at value_offset).
+  [[nodiscard]] const std::byte* page(index_t s, index_t i) const {
+    KVPACK_CHECK(s >= 0 && s < streams() && i >= 0 && i < static_cast<index_t>(stream_pages_[s].size()),
+                 kInvalidArgument, ::kvpack::detail::message("DeviceLayer::page: no page ", i, " in stream ", s));
+    return pool_->payload(stream_pages_[s][i]);
   }
 
   [[nodiscard]] index_t streams() const noexcept { return static_cast<index_t>(key_params_.size()); }
@@ -92,9 +132,10 @@ class DeviceLayer {
   [[nodiscard]] std::size_t device_pages() const noexcept { return owned_.size(); }
   /// Bytes one attend reads from HBM: every stream's pages, plus its full-precision rows.
   [[nodiscard]] std::size_t bytes_read_per_attend() const noexcept {
-    std::size_t rows = 0;
+    std::size_t rows = 0, pages = 0;
     for (const Rows& r : rows_) rows += r.keys.size() + r.values.size();
-    return page_addresses_.size() * pool_->format().payload_bytes + rows * sizeof(float);
+    for (const auto& ids : stream_pages_) pages += ids.size();
+    return pages * pool_->format().payload_bytes + rows * sizeof(float);
   }
 
   /// out[stream][h] = softmax(queries[stream][h] · Kᵀ) V, queries already scaled; both
@@ -129,8 +170,16 @@ class DeviceLayer {
   };
 
   void upload_tables() {
-    pages_ = DeviceBuffer<const std::byte*>(std::span<const std::byte* const>(page_addresses_));
-    first_page_device_ = DeviceBuffer<index_t>(std::span<const index_t>(first_page_));
+    std::vector<const std::byte*> addresses;
+    std::vector<index_t> first_page{0};
+    max_pages_ = 0;
+    for (const auto& ids : stream_pages_) {
+      for (PageId id : ids) addresses.push_back(pool_->payload(id));
+      first_page.push_back(static_cast<index_t>(addresses.size()));
+      max_pages_ = std::max<index_t>(max_pages_, static_cast<index_t>(ids.size()));
+    }
+    pages_ = DeviceBuffer<const std::byte*>(std::span<const std::byte* const>(addresses));
+    first_page_device_ = DeviceBuffer<index_t>(std::span<const index_t>(first_page));
     key_params_device_ = DeviceBuffer<KeyParams>(std::span<const KeyParams>(key_params_));
     value_params_device_ = DeviceBuffer<ValueParams>(std::span<const ValueParams>(value_params_));
     tail_stride_ = 1;
@@ -154,10 +203,9 @@ class DeviceLayer {
   DevicePagePool* pool_;
   index_t group_, page_size_, head_dim_;
   std::size_t value_offset_;
-  std::unordered_map<const std::byte*, PageId> uploaded_;
-  std::vector<PageId> owned_;
-  std::vector<const std::byte*> page_addresses_;  // device addresses, streams back to back
-  std::vector<index_t> first_page_;
+  std::unordered_map<const std::byte*, PageId> uploaded_;  // host payload -> its device copy
+  std::vector<PageId> owned_;                               // every device page this layer holds
+  std::vector<std::vector<PageId>> stream_pages_;           // per stream, in token order
   index_t max_pages_ = 0;
   std::vector<KeyParams> key_params_;
   std::vector<ValueParams> value_params_;
@@ -170,6 +218,7 @@ class DeviceLayer {
   DeviceBuffer<ValueParams> value_params_device_;
   DeviceBuffer<float> tail_keys_, tail_values_;
   DeviceBuffer<index_t> tail_count_;
+  DeviceBuffer<std::byte*> encode_targets_;
   AttentionWorkspace workspace_;
 };
 
