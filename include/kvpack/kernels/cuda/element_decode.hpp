@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvpack/config.hpp"
 #include "kvpack/core/fp8.hpp"

@@ -77,6 +77,15 @@ KVPACK_HOST_DEVICE SymmetricInt8 symmetric_int8(const float* x, index_t n) noexc
   return {half(scale).bits, scale != 0.0f ? 1.0f / scale : 0.0f};
 }
 
+/// Writes the n codes of such a block: code j at byte_of(j).
+template <class ByteOf>
+KVPACK_HOST_DEVICE void store_int8_codes(const float* x, index_t n, float inverse, std::byte* plane,
+                                         ByteOf byte_of) noexcept {
+  for (index_t j = 0; j < n; ++j) {
+    plane[byte_of(j)] = static_cast<std::byte>(to_code(round_half_away(x[j] * inverse), -127.0f, 127.0f, 0));
+  }
+}
+
 }  // namespace encode_detail
 
 template <class Codec>
@@ -119,10 +128,8 @@ struct ElementEncoder<quant::Int8Codec<P>> {
     const float* row = src + t * row_stride;
     const auto block = encode_detail::symmetric_int8(row, g.head_dim);
     encode_detail::store(plane + quant::Int8Codec<P>::codes_bytes(g) + static_cast<std::size_t>(t) * 2, block.scale_bits);
-    for (index_t c = 0; c < g.head_dim; ++c) {
-      const std::int8_t code = encode_detail::to_code(encode_detail::round_half_away(row[c] * block.inverse), -127.0f, 127.0f, 0);
-      plane[quant::Int8Codec<P>::code_byte(g, t, c)] = static_cast<std::byte>(code);
-    }
+    encode_detail::store_int8_codes(row, g.head_dim, block.inverse, plane,
+                                    [&](index_t c) { return quant::Int8Codec<P>::code_byte(g, t, c); });
   }
 };
 
@@ -138,10 +145,7 @@ struct ElementEncoder<quant::Q8_0Codec<P>> {
     const float* x = src + t * row_stride + b * 32;
     const auto block = encode_detail::symmetric_int8(x, 32);
     encode_detail::store(plane + Codec::scale_byte(g, t, b), block.scale_bits);
-    for (index_t j = 0; j < 32; ++j) {
-      const std::int8_t code = encode_detail::to_code(encode_detail::round_half_away(x[j] * block.inverse), -127.0f, 127.0f, 0);
-      plane[Codec::code_byte(g, t, b * 32 + j)] = static_cast<std::byte>(code);
-    }
+    encode_detail::store_int8_codes(x, 32, block.inverse, plane, [&](index_t j) { return Codec::code_byte(g, t, b * 32 + j); });
   }
 };
 

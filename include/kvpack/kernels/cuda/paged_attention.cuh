@@ -9,7 +9,7 @@
 /// step at a time: the next step's payloads are copied into shared memory asynchronously
 /// (cp.async) while the current step is scored, softmaxed online and accumulated, so the
 /// HBM read stays in flight. Elements are decoded from shared memory by the codec's
-/// ElementDecoder, once per element for all heads of the pass. The last split also reads the
+/// ElementDecoder, two at a time and once for all heads of the pass. The last split also reads the
 /// stream's full-precision tail rows. A second kernel merges the splits' (max, sum, acc).
 
 #include <cuda_pipeline.h>
@@ -17,10 +17,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/kernels/cuda/check.cuh"
@@ -229,7 +230,8 @@ __global__ void __launch_bounds__(kThreads)
           add(c, token_pair<KeyDecoder>(plane, geometry, key_params, slot, c));
         }
       } else {
-        // A tail step may end on an odd row: its pair partner is then a zero row, never used.
+        // A tail step may end on an odd row: its pair partner then repeats it, and that score is
+        // never read.
         const float* row0 = tail_k + static_cast<std::size_t>(t) * d;
         const float* row1 = t + 1 < tokens ? row0 + d : row0;
 #pragma unroll 4
