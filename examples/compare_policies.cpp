@@ -135,6 +135,7 @@ struct Row {
   double payload_bits = 0;      // page payload only (the codec's own rate)
   double sequence_bytes = 0;    // one sequence of `context` tokens over 32 layers
   eval::Summary error;          // attention-output relative error per head
+  eval::ReconstructionError reconstruction;  // stored K and V against the fp32 input
   eval::NeedleReport needle;
   std::optional<llama2c::PolicyResult> model;  // empty: no model; not_applicable says why it did not run
   double decode_gbps = 0, seconds_per_attend = 0, vs_f16 = 0;
@@ -164,6 +165,7 @@ LayerCache measure_layer(const eval::Policy& policy, const eval::SyntheticSpec& 
   row.payload_bits = bits.payload;
   row.sequence_bytes = static_cast<double>(memory.total()) * kModelLayers;
   row.error = eval::attention_error(cache, held.seq, 0, queries, exact);
+  row.reconstruction = eval::reconstruction_error(cache, held.seq, 0, layer);
   return held;
 }
 
@@ -210,17 +212,18 @@ std::string model_cell(const Row& r, Field field, const char* format) {
 }
 
 void print_table(const Options& o, index_t tokens, const std::vector<Row>& rows, bool have_model) {
-  fmt::print("{:<11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>{}} {:>11} {:>9} {:>8} {:>7}\n", "policy", "bits/elem",
+  fmt::print("{:<11} {:>9} {:>9} {:>11} {:>8} {:>8} {:>9} {:>9} {:>{}} {:>11} {:>9} {:>8} {:>7}\n", "policy", "bits/elem",
              "payload", tokens % 1024 == 0 ? fmt::format("{}K seq", tokens / 1024) : fmt::format("{} tok", tokens),
-             "rel.err", "p99 err", "needle recall", 12 * o.needle_contexts.size(), have_model ? "loss delta" : "",
+             "K recon", "V recon", "rel.err", "p99 err", "needle recall", 12 * o.needle_contexts.size(), have_model ? "loss delta" : "",
              have_model ? "name logp" : "", "GB/s", "vs f16");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) {
       fmt::print("{:<11} n/a: {}\n", r.policy, r.not_applicable);
       continue;
     }
-    fmt::print("{:<11} {:>9.3f} {:>9.3f} {:>7.3f} GiB {:>9.2e} {:>9.2e} {:>{}} {:>11} {:>9} {:>8.2f} {:>6.2f}x\n",
-               r.policy, r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024), r.error.mean,
+    fmt::print("{:<11} {:>9.3f} {:>9.3f} {:>7.3f} GiB {:>8.2e} {:>8.2e} {:>9.2e} {:>9.2e} {:>{}} {:>11} {:>9} {:>8.2f} {:>6.2f}x\n",
+               r.policy, r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024),
+               r.reconstruction.keys, r.reconstruction.values, r.error.mean,
                r.error.p99, needle_cell(o, r), 12 * o.needle_contexts.size(),
                have_model ? model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:+.4f}") : "",
                have_model ? model_cell(r, [](const llama2c::PolicyResult& m) { return m.name_log_prob_delta; }, "{:+.3f}") : "",
@@ -270,12 +273,13 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
     }
     file.print("    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
                "\"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
+               "\"key_reconstruction_rel_error\": {:.6g}, \"value_reconstruction_rel_error\": {:.6g}, "
                "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
                "\"needle_recall\": {:.4f}, \"needle\": [{}], \"real_model\": {}, "
                "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
                json_string(r.policy), json_string(r.description),
                r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element, r.payload_bits,
-               r.sequence_bytes, r.error.mean,
+               r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values, r.error.mean,
                r.error.p99, r.needle.recall(), needle, model, r.decode_gbps, r.seconds_per_attend, r.vs_f16,
                i + 1 < rows.size() ? "," : "");
   }
@@ -284,12 +288,14 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
 
 void write_csv(const std::string& path, const std::vector<Row>& rows) {
   auto file = fmt::output_file(path);
-  file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,attention_rel_error_mean,"
+  file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,"
+             "key_reconstruction_rel_error,value_reconstruction_rel_error,attention_rel_error_mean,"
              "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16\n");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) continue;  // the table and the JSON say why
-    file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f}\n", r.policy, r.bits_per_element,
-               r.payload_bits, r.sequence_bytes, r.error.mean, r.error.p99, r.needle.recall(),
+    file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f}\n", r.policy,
+               r.bits_per_element, r.payload_bits, r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values,
+               r.error.mean, r.error.p99, r.needle.recall(),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.text.kl; }, "{:.6g}"),
                r.decode_gbps, r.vs_f16);
@@ -422,6 +428,7 @@ int run(const Options& o) {
   print_table(o, spec.tokens, rows, have_model);
   fmt::print("\nbits/elem: all bytes memory() reports (pages, scales, slot positions, fp32 tail, tables) per stored "
              "K/V element; payload: the encoded pages alone.\n"
+             "K recon, V recon: |x_stored - x| / |x| over every stored key and value element vs the fp32 inputs.\n"
              "rel.err: |o - o_exact| / |o_exact| per head vs exact attention on the fp32 inputs (mean, p99).\n");
   if (!o.needle_contexts.empty()) {
     fmt::print("needle recall: one character per depth 0%..100% for each context ({}): '#' recalled by every head, "

@@ -10,4 +10,5 @@
 #include "kvpack/eval/metrics.hpp"
 #include "kvpack/eval/needle.hpp"
 #include "kvpack/eval/policies.hpp"
+#include "kvpack/eval/reconstruction_error.hpp"
 #include "kvpack/eval/synthetic.hpp"
