@@ -85,6 +85,7 @@ class KVCache {
         streams_(validated_streams(layout_, shape_)),
         key_dim_(layout_.key_dim(shape_)),
         value_dim_(layout_.value_dim(shape_)),
+        cache_layers_(layout::cache_layers(layout_, shape_)),
         pool_(page_format(), config_.max_pages),
         rope_tables_(config_.key_rope ? RopeTables::shared(*config_.key_rope, key_dim_) : nullptr) {
     for (index_t h = 0; h < shape_.q_heads; ++h) {
@@ -96,12 +97,15 @@ class KVCache {
     quantizer_.value.validate(value_geometry());
     KVPACK_CHECK(key_dim_ == value_dim_, kUnsupported,
                  "KVCache's attention kernels need key and value rows of the same width");
-    key_params_.reserve(static_cast<std::size_t>(shape_.layers) * streams_);
+    key_params_.reserve(static_cast<std::size_t>(cache_layers_) * streams_);
     value_params_.reserve(key_params_.capacity());
-    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+    for (index_t layer = 0; layer < cache_layers_; ++layer) {
+      // Per-layer codec parameters (FP8 static scales, KVQuant's calibration) are those of the
+      // model layer that writes the cache layer.
+      const index_t writer = layout::writer_of(layout_, shape_, layer);
       for (index_t s = 0; s < streams_; ++s) {
-        key_params_.push_back(quantizer_.key.initial_params(layer, s));
-        value_params_.push_back(quantizer_.value.initial_params(layer, s));
+        key_params_.push_back(quantizer_.key.initial_params(writer, s));
+        value_params_.push_back(quantizer_.value.initial_params(writer, s));
         // Codecs with tables built on first use (TurboQuant's rotations) build them here: encoding
         // happens after write_tokens' last possible throw and must not allocate.
         if constexpr (requires { quantizer_.key.prepare(key_geometry(), key_params_.back()); }) {
@@ -113,7 +117,7 @@ class KVCache {
       }
     }
     // shape_ was validated: layers > 0 (max() tells the compiler so).
-    calibrated_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(std::max<index_t>(shape_.layers, 1)));
+    calibrated_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(std::max<index_t>(cache_layers_, 1)));
   }
 
   KVCache(const KVCache&) = delete;
@@ -129,7 +133,7 @@ class KVCache {
 
   /// Starts an empty sequence.
   [[nodiscard]] SeqId add_sequence() {
-    auto sequence = std::make_unique<Sequence>(shape_.layers);
+    auto sequence = std::make_unique<Sequence>(cache_layers_);
     std::unique_lock lock(sequences_mutex_);
     const SeqId id = next_id_++;
     sequences_.emplace(id, std::move(sequence));
@@ -146,7 +150,7 @@ class KVCache {
   void prefill(SeqId seq, index_t layer, std::span<const T> keys, std::span<const T> values,
                std::span<const T> observation_queries = {}) {
     Sequence& sequence = find(seq, "prefill");
-    check_layer(layer, "prefill");
+    layer = written_layer(layer, "prefill");
     const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
     const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
     KVPACK_CHECK(!keys.empty() && keys.size() % key_row == 0, kInvalidArgument,
@@ -180,7 +184,7 @@ class KVCache {
   void append(SeqId seq, index_t layer, std::span<const T> key, std::span<const T> value,
               std::int64_t position) {
     Sequence& sequence = find(seq, "append");
-    check_layer(layer, "append");
+    layer = written_layer(layer, "append");
     const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
     const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
     KVPACK_CHECK(key.size() == key_row && value.size() == value_row, kInvalidArgument,
@@ -204,7 +208,8 @@ class KVCache {
   void attend(SeqId seq, index_t layer, std::span<const T> query, std::span<float> out,
               float scale) const {
     const Sequence& sequence = find(seq, "attend");
-    check_layer(layer, "attend");
+    const index_t model_layer = layer;
+    layer = stored_layer(layer, "attend");
     const std::size_t row = static_cast<std::size_t>(shape_.q_heads) * shape_.head_dim;
     KVPACK_CHECK(query.size() == row && out.size() == row, kInvalidArgument,
                  detail::message("attend: query and out must hold q_heads * head_dim = ", row,
@@ -212,7 +217,7 @@ class KVCache {
     KVPACK_CHECK(std::isfinite(scale), kInvalidArgument, detail::message("attend: scale ", scale, " is not finite"));
     const LayerState& state = sequence.layers[layer];
     KVPACK_CHECK(state.tokens > 0, kInvalidArgument,
-                 detail::message("attend: layer ", layer, " of sequence ", seq, " holds no tokens"));
+                 detail::message("attend: layer ", model_layer, " of sequence ", seq, " holds no tokens"));
     const std::span<const float> q = as_floats(query, 0);
     if (config_.check_inputs) check_values(q, std::numeric_limits<float>::max(), "attend", "query");
 
@@ -294,14 +299,14 @@ class KVCache {
   /// The position of the last token of one layer of a sequence, -1 when it holds none.
   [[nodiscard]] std::int64_t last_position(SeqId seq, index_t layer) const {
     const Sequence& sequence = find(seq, "last_position");
-    check_layer(layer, "last_position");
+    layer = stored_layer(layer, "last_position");
     return sequence.layers[layer].last_position;
   }
 
   /// Tokens stored in one layer of a sequence.
   [[nodiscard]] index_t length(SeqId seq, index_t layer) const {
     const Sequence& sequence = find(seq, "length");
-    check_layer(layer, "length");
+    layer = stored_layer(layer, "length");
     return sequence.layers[layer].tokens;
   }
 
@@ -333,7 +338,7 @@ class KVCache {
   }
   /// The codec parameters of (layer, stream), e.g. calibrated FP8 scales.
   [[nodiscard]] std::pair<KeyParams, ValueParams> codec_params(index_t layer, index_t stream) const {
-    check_layer(layer, "codec_params");
+    layer = stored_layer(layer, "codec_params");
     KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
                  detail::message("codec_params: stream ", stream, " out of range"));
     const std::size_t p = static_cast<std::size_t>(layer) * streams_ + stream;
@@ -344,7 +349,7 @@ class KVCache {
   /// token order, and the pool holding them.
   [[nodiscard]] std::span<const PageId> pages(SeqId seq, index_t layer, index_t stream) const {
     const Sequence& sequence = find(seq, "pages");
-    check_layer(layer, "pages");
+    layer = stored_layer(layer, "pages");
     KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
                  detail::message("pages: stream ", stream, " out of range"));
     const LayerState& state = sequence.layers[layer];
@@ -360,7 +365,7 @@ class KVCache {
   /// codecs' scalar decoders, so it is not for the decode loop.
   [[nodiscard]] StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const {
     const Sequence& sequence = find(seq, "read_back");
-    check_layer(layer, "read_back");
+    layer = stored_layer(layer, "read_back");
     KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
                  detail::message("read_back: stream ", stream, " out of range [0, ", streams_, ")"));
     const LayerState& state = sequence.layers[layer];
@@ -495,9 +500,21 @@ class KVCache {
     return *it->second;
   }
 
-  void check_layer(index_t layer, const char* call) const {
+  /// The cache layer that holds model layer `layer` (itself unless the layout shares caches
+  /// across layers); throws for a layer outside the model.
+  [[nodiscard]] index_t stored_layer(index_t layer, const char* call) const {
     KVPACK_CHECK(layer >= 0 && layer < shape_.layers, kInvalidArgument,
                  detail::message(call, ": layer ", layer, " out of range [0, ", shape_.layers, ")"));
+    return layout::cache_layer_of(layout_, shape_, layer);
+  }
+  /// The same for a write, which only the first layer of a shared group may make.
+  [[nodiscard]] index_t written_layer(index_t layer, const char* call) const {
+    const index_t stored = stored_layer(layer, call);
+    const index_t writer = layout::writer_of(layout_, shape_, stored);
+    KVPACK_CHECK(writer == layer, kInvalidArgument,
+                 detail::message(call, ": layer ", layer, " reads the cache layer ", writer, " writes (layout ",
+                                 Layout::kName, " shares one cache across layers); write layer ", writer));
+    return stored;
   }
 
   /// Inputs as fp32: a view of float input, or a per-thread converted copy in slot `slot`.
@@ -780,6 +797,7 @@ class KVCache {
   index_t streams_;
   index_t key_dim_;
   index_t value_dim_;
+  index_t cache_layers_;  // layers that keep a cache (fewer than shape_.layers when shared)
   mutable paging::PagePool pool_;
   std::shared_ptr<const RopeTables> rope_tables_;  ///< null unless config_.key_rope
 

@@ -13,6 +13,7 @@
 #include "kvpack/error.hpp"
 #include "kvpack/evict/keep_all.hpp"
 #include "kvpack/executor.hpp"
+#include "kvpack/layout/cross_layer.hpp"
 #include "kvpack/layout/gqa.hpp"
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"

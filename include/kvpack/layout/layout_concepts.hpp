@@ -25,4 +25,35 @@ concept Layout = std::regular<L> && std::is_trivially_copyable_v<L> &&
                    { l.value_dim(shape) } noexcept -> std::same_as<index_t>;
                  };
 
+/// Layers that keep a cache: every layer, unless the layout shares one cache across several
+/// (layout::CrossLayer declares `cache_layers`, `cache_layer_of` and `writer_of`).
+template <Layout L>
+[[nodiscard]] constexpr index_t cache_layers(const L& l, const ModelShape& shape) noexcept {
+  if constexpr (requires { l.cache_layers(shape); }) {
+    return l.cache_layers(shape);
+  } else {
+    return shape.layers;
+  }
+}
+
+/// The cache layer model layer `layer` reads.
+template <Layout L>
+[[nodiscard]] constexpr index_t cache_layer_of(const L& l, const ModelShape& shape, index_t layer) noexcept {
+  if constexpr (requires { l.cache_layer_of(shape, layer); }) {
+    return l.cache_layer_of(shape, layer);
+  } else {
+    return layer;
+  }
+}
+
+/// The model layer that writes cache layer `cache_layer` (the others only read it).
+template <Layout L>
+[[nodiscard]] constexpr index_t writer_of(const L& l, const ModelShape& shape, index_t cache_layer) noexcept {
+  if constexpr (requires { l.writer_of(shape, cache_layer); }) {
+    return l.writer_of(shape, cache_layer);
+  } else {
+    return cache_layer;
+  }
+}
+
 }  // namespace kvpack::inline v0::layout
