@@ -87,9 +87,9 @@ class DeviceLayer {
 
   /// Appends `pages` full pages to stream `s`, encoded on the device from `pages · page_size`
   /// rows of `keys` and `values` (device memory, [rows][head_dim]), with the stream's codec
-  /// parameters. All or nothing for the pool; asynchronous on
-  /// `stream` like attend. The rows must be finite and within the codecs' max_abs_input() (the
-  /// device does not check them; the host cache does).
+  /// parameters. All or nothing for the pool; asynchronous on `stream` like attend. The rows must
+  /// be finite and within the codecs' max_abs_input(): the device does not check them (the host
+  /// cache does).
   void append_pages(index_t s, const float* keys, const float* values, index_t pages, cudaStream_t stream = nullptr)
     requires DeviceEncodable<KeyCodec> && DeviceEncodable<ValueCodec>
   {
