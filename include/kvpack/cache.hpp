@@ -41,7 +41,8 @@ concept InputElement = std::is_convertible_v<T, float>;
 /// and read from different threads concurrently; `memory()` may be called from any thread.
 /// Every call that throws leaves the cache as it was (the strong guarantee).
 ///
-/// \tparam Layout    layout::GQA — how tokens map to KV streams
+/// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K> — how tokens map to KV streams, and
+///                   which layers keep a cache
 /// \tparam Quantizer quant::Float<T>, quant::FP8<F>, quant::Int8, quant::Q8_0, quant::Q4_0, ...
 /// \tparam Evictor   evict::KeepAll
 /// \tparam Selector  select::DenseRead
