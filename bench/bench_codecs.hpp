@@ -49,6 +49,8 @@ Q make_quantizer(const ModelShape& shape) {
       tables->key_half_range.insert(tables->key_half_range.end(), layer.key_half_range.begin(), layer.key_half_range.end());
       tables->key_codebook.push_back(layer.key_codebook[0]);
       tables->value_codebook.push_back(layer.value_codebook[0]);
+      if (!layer.key_encode_codebook.empty()) tables->key_encode_codebook.push_back(layer.key_encode_codebook[0]);
+      if (!layer.value_encode_codebook.empty()) tables->value_encode_codebook.push_back(layer.value_encode_codebook[0]);
     }
     return Q(std::move(tables), 0.01);
   } else {

@@ -58,12 +58,17 @@ struct KVQuantTables {
   int bits = 0;
   std::vector<float> key_offset;      ///< [layers][kv_heads][head_dim]
   std::vector<float> key_half_range;  ///< [layers][kv_heads][head_dim], > 0
-  std::vector<nuq::Codebook> key_codebook;    ///< [layers]
+  std::vector<nuq::Codebook> key_codebook;    ///< [layers] the levels codes decode to
   std::vector<nuq::Codebook> value_codebook;  ///< [layers]
+  /// Q-Norm (ALGORITHMS.md §2.5): elements are rounded to these levels, then decoded with the
+  /// affinely corrected `*_codebook` ones. [layers], or empty: rounded to `*_codebook` itself.
+  std::vector<nuq::Codebook> key_encode_codebook;
+  std::vector<nuq::Codebook> value_encode_codebook;
 
   [[nodiscard]] std::size_t bytes() const noexcept {
     return (key_offset.size() + key_half_range.size()) * sizeof(float) +
-           (key_codebook.size() + value_codebook.size()) * sizeof(nuq::Codebook);
+           (key_codebook.size() + value_codebook.size() + key_encode_codebook.size() + value_encode_codebook.size()) *
+               sizeof(nuq::Codebook);
   }
 };
 
@@ -72,14 +77,20 @@ struct KVQuantTables {
 struct KVQuantKeyParams {
   const float* offset = nullptr;      ///< [head_dim]
   const float* half_range = nullptr;  ///< [head_dim]
-  const nuq::Codebook* codebook = nullptr;
+  const nuq::Codebook* codebook = nullptr;         ///< decoded levels
+  const nuq::Codebook* encode_codebook = nullptr;  ///< levels elements are rounded to; nullptr: codebook
   double outlier_fraction = 0.0;
+
+  [[nodiscard]] const nuq::Codebook& rounding() const noexcept { return encode_codebook ? *encode_codebook : *codebook; }
 };
 
-/// A value page's parameters: the layer's value codebook and the outlier fraction.
+/// A value page's parameters: the layer's value codebooks and the outlier fraction.
 struct KVQuantValueParams {
   const nuq::Codebook* codebook = nullptr;
+  const nuq::Codebook* encode_codebook = nullptr;
   double outlier_fraction = 0.0;
+
+  [[nodiscard]] const nuq::Codebook& rounding() const noexcept { return encode_codebook ? *encode_codebook : *codebook; }
 };
 
 namespace kvquant_detail {
@@ -212,6 +223,10 @@ struct KVQuantTraits {
                  ::kvpack::detail::message("KVQuant<", Bits, "> got a calibration for ", tables->bits,
                                            " bits and head_dim ", tables->head_dim, "; the cache has head_dim ",
                                            g.head_dim));
+    KVPACK_CHECK((tables->key_encode_codebook.empty() || tables->key_encode_codebook.size() == tables->key_codebook.size()) &&
+                     (tables->value_encode_codebook.empty() ||
+                      tables->value_encode_codebook.size() == tables->value_codebook.size()),
+                 kInvalidConfig, "KVQuant's Q-Norm rounding codebooks must be absent or one per layer, like the codebooks");
     KVPACK_CHECK(outlier_fraction >= 0.0 && outlier_fraction <= 0.05, kInvalidConfig,
                  ::kvpack::detail::message("KVQuant outlier_fraction must be in [0, 0.05], got ", outlier_fraction));
     KVPACK_CHECK(g.head_dim % 8 == 0 && static_cast<std::int64_t>(g.page_size) * g.head_dim <= 65536, kUnsupported,
@@ -249,8 +264,10 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
   [[nodiscard]] params_type initial_params(index_t layer, index_t stream) const {
     this->check_stream(layer, stream);
     const std::size_t at = (static_cast<std::size_t>(layer) * this->tables->kv_heads + stream) * this->tables->head_dim;
+    const bool q_norm = !this->tables->key_encode_codebook.empty();
     return {this->tables->key_offset.data() + at, this->tables->key_half_range.data() + at,
-            &this->tables->key_codebook[layer], this->outlier_fraction};
+            &this->tables->key_codebook[layer], q_norm ? &this->tables->key_encode_codebook[layer] : nullptr,
+            this->outlier_fraction};
   }
 
   void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, const params_type& p,
@@ -269,7 +286,7 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
       std::byte* row = dst + row_bytes(g) * c;
       for (index_t t = 0; t < g.page_size; ++t) {
         const float normalised = std::clamp((src[t * row_stride + c] - p.offset[c]) / p.half_range[c], -1.0f, 1.0f);
-        kvquant_detail::put_code<Bits>(row, t, static_cast<unsigned>(nuq::nearest_level(*p.codebook, normalised)));
+        kvquant_detail::put_code<Bits>(row, t, static_cast<unsigned>(nuq::nearest_level(p.rounding(), normalised)));
       }
     }
   }
@@ -318,7 +335,9 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
   }
   [[nodiscard]] params_type initial_params(index_t layer, index_t stream) const {
     this->check_stream(layer, stream);
-    return {&this->tables->value_codebook[layer], this->outlier_fraction};
+    const bool q_norm = !this->tables->value_encode_codebook.empty();
+    return {&this->tables->value_codebook[layer], q_norm ? &this->tables->value_encode_codebook[layer] : nullptr,
+            this->outlier_fraction};
   }
 
   void encode(PageGeometry g, const float* src, std::ptrdiff_t row_stride, const params_type& p,
@@ -376,7 +395,7 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
       std::byte* row = dst + row_bytes(g) * t;
       for (index_t c = 0; c < d; ++c) {
         const float normalised = half_range > 0.0f ? std::clamp((x[c] - offset) / half_range, -1.0f, 1.0f) : 0.0f;
-        kvquant_detail::put_code<Bits>(row, c, static_cast<unsigned>(nuq::nearest_level(*p.codebook, normalised)));
+        kvquant_detail::put_code<Bits>(row, c, static_cast<unsigned>(nuq::nearest_level(p.rounding(), normalised)));
       }
     }
   }

@@ -12,6 +12,12 @@
 /// normalised samples that are not outliers (optional per-element weights, e.g. KVQuant's
 /// Fisher information; at most 2^18 of them, evenly strided). The first `skip_first_tokens` tokens of each sample sequence (the
 /// attention sink, kept exact by the cache) are left out, as KVQuant does.
+///
+/// Q-Norm (§2.5, an option: the paper uses it at 2 bits): after rounding, the decoded levels are
+/// moved by one affine map per layer and plane, ℓ' = ℓ·σ1/σ2 + m1 − m2·σ1/σ2, so that the mean m
+/// and standard deviation σ of the decoded normalised samples (2) equal those of the samples (1).
+/// Elements are still rounded to the original levels (the tables' *_encode_codebook). Off by
+/// default: at 2 bits it gained nothing measurable here (README, "KVQuant").
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +40,8 @@ class KVQuantCalibrator {
     bool kmeans = true;              ///< false: the normal-float codebook
     int max_iterations = 50;
     index_t skip_first_tokens = 1;
+    /// Q-Norm: never, for 2 bits only (the paper's use), or always.
+    enum class QNorm { kNever, kTwoBit, kAlways } q_norm = QNorm::kNever;
   };
 
   KVQuantCalibrator(const ModelShape& shape, Options options) : shape_(shape), options_(options) {
@@ -120,11 +128,42 @@ class KVQuantCalibrator {
       normalised_values(layer, value_samples, value_sample_weights);
       tables->key_codebook.push_back(codebook(key_samples, key_sample_weights));
       tables->value_codebook.push_back(codebook(value_samples, value_sample_weights));
+      if (q_norm()) {
+        tables->key_encode_codebook.push_back(tables->key_codebook.back());
+        tables->value_encode_codebook.push_back(tables->value_codebook.back());
+        tables->key_codebook.back() = q_normed(tables->key_codebook.back(), key_samples);
+        tables->value_codebook.back() = q_normed(tables->value_codebook.back(), value_samples);
+      }
     }
     return tables;
   }
 
  private:
+  [[nodiscard]] bool q_norm() const noexcept {
+    return options_.q_norm == Options::QNorm::kAlways || (options_.q_norm == Options::QNorm::kTwoBit && options_.bits == 2);
+  }
+
+  /// `book`'s levels mapped so that rounding `samples` to `book` and decoding with the result
+  /// keeps their mean and standard deviation (unchanged when the rounded samples are constant).
+  static nuq::Codebook q_normed(const nuq::Codebook& book, const std::vector<float>& samples) {
+    double sum = 0.0, sum_sq = 0.0, rounded_sum = 0.0, rounded_sq = 0.0;
+    for (float x : samples) {
+      const double r = book.levels[nuq::nearest_level(book, x)];
+      sum += x;
+      sum_sq += static_cast<double>(x) * x;
+      rounded_sum += r;
+      rounded_sq += r * r;
+    }
+    const double n = static_cast<double>(samples.size());
+    if (n == 0.0) return book;
+    const double m1 = sum / n, m2 = rounded_sum / n;
+    const double s1 = std::sqrt(std::max(0.0, sum_sq / n - m1 * m1)), s2 = std::sqrt(std::max(0.0, rounded_sq / n - m2 * m2));
+    if (!(s2 > 0.0)) return book;
+    nuq::Codebook normed = book;
+    for (int i = 0; i < book.size; ++i) normed.levels[i] = static_cast<float>(book.levels[i] * (s1 / s2) + (m1 - m2 * s1 / s2));
+    return normed;
+  }
+
   /// Linear interpolation between order statistics (torch.quantile's default).
   static float quantile(std::vector<float> samples, double q) {
     const double at = q * static_cast<double>(samples.size() - 1);

@@ -25,11 +25,24 @@ double max_half_gap(const quant::nuq::Codebook& book) {
   return gap;
 }
 
+/// How far a normalised element can end from its decoded level: half the largest gap of the
+/// levels it is rounded to, plus (Q-Norm) the largest move of a level between rounding and
+/// decoding.
+double max_decode_error(const std::vector<quant::nuq::Codebook>& decoded, const std::vector<quant::nuq::Codebook>& rounded) {
+  if (rounded.empty()) return max_half_gap(decoded[0]);
+  double shift = 0.0;
+  for (int i = 0; i < decoded[0].size; ++i) shift = std::max(shift, std::fabs(double{decoded[0].levels[i]} - rounded[0].levels[i]));
+  return max_half_gap(rounded[0]) + shift;
+}
+
 /// Tables calibrated on `tokens` random tokens like those the tests then encode.
+using QNorm = quant::KVQuantCalibrator::Options::QNorm;
+
 std::shared_ptr<const quant::KVQuantTables> calibrate(int bits, index_t head_dim, std::uint32_t seed,
-                                                      double fraction = 0.01, bool kmeans = true) {
+                                                      double fraction = 0.01, bool kmeans = true,
+                                                      QNorm q_norm = QNorm::kNever) {
   const ModelShape shape{1, 1, 1, head_dim};
-  quant::KVQuantCalibrator calibrator(shape, {bits, fraction, kmeans, 50, 1});
+  quant::KVQuantCalibrator calibrator(shape, {bits, fraction, kmeans, 50, 1, q_norm});
   const auto keys = test::random_rows(512, head_dim, seed, 4, 8.0f);
   const auto values = test::random_rows(512, head_dim, seed + 1);
   calibrator.add(0, keys, values);
@@ -179,8 +192,8 @@ TEMPLATE_TEST_CASE("KVQuant planes round-trip within the codebook's gaps; outlie
       CHECK(v_out[g.head_dim + 2] == Approx(-300.0f).epsilon(1e-3));
     }
 
-    const double key_gap = max_half_gap(tables->key_codebook[0]);
-    const double value_gap = max_half_gap(tables->value_codebook[0]);
+    const double key_gap = max_decode_error(tables->key_codebook, tables->key_encode_codebook);
+    const double value_gap = max_decode_error(tables->value_codebook, tables->value_encode_codebook);
     kvpack_test::quant::Mismatches bad;
     for (index_t t = 0; t < g.page_size; ++t) {
       float lo = INFINITY, hi = -INFINITY;
@@ -242,4 +255,59 @@ TEST_CASE("a KVQuant cache without a matching calibration is rejected", "[quant]
   CHECK_THROWS_AS((KVCache<layout::GQA, quant::KVQuant<3>>(ModelShape{1, 1, 1, 32}, {},
                                                            quant::KVQuant<3>(one_layer, 0.2))),
                   Error);  // outlier fraction above 5 %
+}
+
+TEST_CASE("Q-Norm keeps the mean and spread of the calibration samples at 2 bits", "[quant][kvquant]") {
+  const index_t d = 64;
+  const auto tables = calibrate(2, d, 77, 0.01, true, QNorm::kTwoBit);
+  REQUIRE(tables->key_encode_codebook.size() == 1);
+  REQUIRE(tables->value_encode_codebook.size() == 1);
+  // The calibration keys again (calibrate's own generator and seed), normalised by the tables'
+  // ranges; outliers left out as the calibrator does.
+  const auto keys = test::random_rows(512, d, 77, 4, 8.0f);
+  double sum = 0, sum_sq = 0, decoded_sum = 0, decoded_sq = 0, n = 0;
+  for (std::size_t t = 1; t < 512; ++t) {  // the first token is the skipped sink
+    for (index_t c = 0; c < d; ++c) {
+      const float x = (keys[t * d + c] - tables->key_offset[c]) / tables->key_half_range[c];
+      if (std::fabs(x) > 1.0f) continue;
+      const int code = quant::nuq::nearest_level(tables->key_encode_codebook[0], x);
+      const double decoded = tables->key_codebook[0].levels[code];
+      sum += x;
+      sum_sq += x * x;
+      decoded_sum += decoded;
+      decoded_sq += decoded * decoded;
+      n += 1;
+    }
+  }
+  const double mean = sum / n, decoded_mean = decoded_sum / n;
+  const double sd = std::sqrt(sum_sq / n - mean * mean), decoded_sd = std::sqrt(decoded_sq / n - decoded_mean * decoded_mean);
+  CHECK(decoded_mean == Approx(mean).margin(1e-4));
+  CHECK(decoded_sd == Approx(sd).epsilon(1e-4));
+  // The codec rounds to the original levels and decodes to the corrected ones (an element it
+  // keeps as an outlier comes back as its fp16 value instead).
+  const quant::KVQuant<2> q(tables, 0.01);
+  const quant::PageGeometry g{32, d};
+  const auto params = q.key.initial_params(0, 0);
+  std::vector<std::byte> plane(q.key.plane_bytes(g));
+  std::vector<float> decoded(static_cast<std::size_t>(32) * d);
+  q.key.encode(g, keys.data() + d, d, params, plane.data());
+  q.key.decode(g, plane.data(), params, decoded.data());
+  int mismatches = 0;
+  for (index_t t = 0; t < 32; ++t) {
+    for (index_t c = 0; c < d; ++c) {
+      const float x = keys[static_cast<std::size_t>(t + 1) * d + c];
+      const float normalised = (x - tables->key_offset[c]) / tables->key_half_range[c];
+      if (std::fabs(normalised) > 1.0f) continue;
+      const int code = quant::nuq::nearest_level(tables->key_encode_codebook[0], normalised);
+      const double expected = double{tables->key_codebook[0].levels[code]} * tables->key_half_range[c] + tables->key_offset[c];
+      const double got = decoded[static_cast<std::size_t>(t) * d + c];
+      const bool as_level = std::fabs(got - expected) <= 1e-5 * (1.0 + std::fabs(expected));
+      const bool as_outlier = got == static_cast<float>(kvpack::half(x));
+      if (!as_level && !as_outlier) ++mismatches;
+    }
+  }
+  CHECK(mismatches == 0);
+  // kTwoBit leaves 3 bits alone, and the default is off.
+  CHECK(calibrate(3, d, 77, 0.01, true, QNorm::kTwoBit)->key_encode_codebook.empty());
+  CHECK(calibrate(2, d, 77)->key_encode_codebook.empty());
 }
