@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -578,4 +580,63 @@ TEST_CASE("bad input: a head_dim or page_size the codec does not support", "[cac
   expect_config_rejected(ModelShape{3, 4, 2, 32}, small_pages, ErrorCode::kUnsupported,
                          "KIVI keys are quantized in groups of 32 tokens: page_size 16 must be a multiple of it",
                          quant::KIVI<4>{});
+}
+
+// With check_inputs off, any bit pattern is accepted and the results are unspecified, but the
+// cache stays memory-safe and its accounting exact: under the ASan/UBSan build
+// (cmake/run_sanitizers.sh) this also proves the codecs do no undefined arithmetic on NaN, Inf,
+// subnormals or huge values (a float-to-integer conversion out of range would abort it).
+TEMPLATE_TEST_CASE("bad input: any bit pattern with check_inputs off", "[cache][bad-input]", quant::Float<float>,
+                   quant::Float<half>, quant::Float<bfloat16>, quant::FP8<quant::E4M3FN>, quant::FP8<quant::E5M2>,
+                   quant::Int8, quant::Q8_0, quant::Q4_0, quant::KIVI<2>, quant::KIVI<4>) {
+  CacheConfig config;
+  config.page_size = 32;  // KIVI's key groups
+  config.check_inputs = false;
+  KVCache<layout::GQA, TestType> cache(kShape, config);
+  std::mt19937 rng(7);
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::infinity(),  std::numeric_limits<float>::max(),
+                            -std::numeric_limits<float>::max(),      std::numeric_limits<float>::denorm_min(),
+                            -std::numeric_limits<float>::min(),      0.0f,
+                            -0.0f,                                   1e30f};
+  // Rows of arbitrary bits, special values, or ordinary values with one special among them.
+  auto garbage = [&](std::size_t n, int kind) {
+    std::vector<float> out = rows(n / kShape.head_dim, rng());
+    for (float& x : out) {
+      if (kind == 0) {
+        const std::uint32_t bits = rng();
+        std::memcpy(&x, &bits, sizeof(x));
+      } else if (kind == 1) {
+        x = specials[rng() % std::size(specials)];
+      }
+    }
+    if (kind == 2) out[rng() % out.size()] = specials[rng() % std::size(specials)];
+    return out;
+  };
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  std::vector<SeqId> seqs;
+  for (int kind = 0; kind < 3; ++kind) {
+    const SeqId s = cache.add_sequence();
+    seqs.push_back(s);
+    for (index_t layer = 0; layer < kShape.layers; ++layer) {
+      const auto k = garbage(70 * row, kind);
+      const auto v = garbage(70 * row, (kind + layer) % 3);
+      cache.prefill(s, layer, view(k), view(v));
+      for (int i = 0; i < 3; ++i) {
+        cache.append(s, layer, view(garbage(row, kind)), view(garbage(row, 2)), cache.last_position(s, layer) + 1);
+      }
+      std::vector<float> out(kShape.q_heads * kShape.head_dim);
+      for (int q = 0; q < 3; ++q) {
+        const auto query = garbage(out.size(), q);
+        cache.attend(s, layer, view(query), std::span<float>(out), kScale);
+      }
+      CHECK(cache.length(s, layer) == 73);
+      for (index_t stream = 0; stream < kShape.kv_heads; ++stream) CHECK(cache.read_back(s, layer, stream).size() == 73);
+    }
+  }
+  // 73 tokens per stream: 2 full pages each (the rest in the tail).
+  CHECK(cache.pool().pages_in_use() == seqs.size() * kShape.layers * kShape.kv_heads * 2);
+  for (SeqId s : seqs) cache.release(s);
+  CHECK(cache.pool().pages_in_use() == 0);
+  CHECK(cache.memory().stored_elements == 0);
 }
