@@ -18,3 +18,10 @@ if(KVPACK_SANITIZE)
     add_compile_options(-fno-sanitize-recover=all)
   endif()
 endif()
+
+# libFuzzer targets (tests/fuzz/): clang's -fsanitize=fuzzer, best combined with
+# KVPACK_SANITIZE=address,undefined.
+option(KVPACK_BUILD_FUZZERS "Build the libFuzzer targets in tests/fuzz (clang only)" OFF)
+if(KVPACK_BUILD_FUZZERS AND NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  message(FATAL_ERROR "KVPACK_BUILD_FUZZERS needs clang (-fsanitize=fuzzer); this build uses ${CMAKE_CXX_COMPILER_ID}")
+endif()

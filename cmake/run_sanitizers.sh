@@ -3,6 +3,9 @@
 #   1. build-asan/: clang, -O1 -g, AddressSanitizer (leaks included) + UBSan (no recovery: the
 #      first report fails the run); the unit test modules core, paging, quant, kernels and cache,
 #      each run in full.
+#      Then the libFuzzer target tests/fuzz/fuzz_cache_ops.cpp (random operation sequences against
+#      the reference model) for KVPACK_FUZZ_SECONDS (default 60) from its seed corpus; new inputs
+#      go to build-asan/fuzz-corpus, crashes to build-asan/fuzz-artifacts.
 #   2. build-tsan/: clang, -O1 -g, ThreadSanitizer; the "[threads]" tests of kvpack_test_cache
 #      (the concurrency stress test and the executor) and of kvpack_test_paging.
 # Not under sanitizers, for time (2 cores): the eval module, the examples and their tests, the
@@ -34,13 +37,16 @@ run() {
 
 if [[ "$which_builds" != tsan ]]; then
   modules=(core paging quant kernels cache)
-  cmake -S . -B build-asan "${common[@]}" -DKVPACK_SANITIZE=address,undefined
-  cmake --build build-asan -j"$jobs" --target "${modules[@]/#/kvpack_test_}"
+  cmake -S . -B build-asan "${common[@]}" -DKVPACK_SANITIZE=address,undefined -DKVPACK_BUILD_FUZZERS=ON
+  cmake --build build-asan -j"$jobs" --target "${modules[@]/#/kvpack_test_}" kvpack_fuzz_cache_ops
   export ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
   for module in "${modules[@]}"; do
     run "build-asan/tests/kvpack_test_$module"
   done
+  mkdir -p build-asan/fuzz-corpus build-asan/fuzz-artifacts
+  run build-asan/tests/fuzz/kvpack_fuzz_cache_ops -max_total_time="${KVPACK_FUZZ_SECONDS:-60}" -print_final_stats=1 \
+    -artifact_prefix=build-asan/fuzz-artifacts/ build-asan/fuzz-corpus tests/fuzz/corpus/cache_ops
 fi
 
 if [[ "$which_builds" != asan ]]; then
