@@ -11,6 +11,7 @@ namespace kvpack::test {
 thread_local long allocations_until_failure = -1;
 }  // namespace kvpack::test
 
+#if KVPACK_TEST_ALLOCATION_FAILURES
 void* operator new(std::size_t bytes) {
   long& countdown = kvpack::test::allocations_until_failure;
   if (countdown >= 0 && countdown-- == 0) throw std::bad_alloc();
@@ -34,3 +35,4 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+#endif
