@@ -4,7 +4,7 @@
 # needs neither root nor the network.
 #
 #   cmake/install_deps.sh              the required packages
-#   cmake/install_deps.sh --optional   also clang, clang-format and clang-tidy (optional checks;
+#   cmake/install_deps.sh --optional   also clang-format and clang-tidy (optional checks;
 #                                      KVPACK_DEPS_OPTIONAL=1 does the same)
 set -euo pipefail
 
@@ -19,10 +19,12 @@ done
 
 # Compiler and build tools; xsimd (kvpack's one library dependency); Catch2 2 (tests); Google
 # Benchmark (bench/); fmt and Eigen (tests, examples and reference code); gnuplot (the Pareto
-# plot compare_policies draws).
-required=(g++ make cmake libxsimd-dev catch2 libbenchmark-dev libfmt-dev libeigen3-dev gnuplot-nox)
+# plot compare_policies draws); clang 14 and its sanitizer runtimes (cmake/run_sanitizers.sh, part
+# of the test command: ASan, UBSan, TSan).
+required=(g++ make cmake libxsimd-dev catch2 libbenchmark-dev libfmt-dev libeigen3-dev gnuplot-nox clang-14
+          libclang-rt-14-dev)
 # nm (tests/package ISA symbol check) comes with binutils, a dependency of g++.
-optional=(clang clang-format clang-tidy)
+optional=(clang-format clang-tidy)
 
 packages=("${required[@]}")
 if [[ "$with_optional" != 0 ]]; then

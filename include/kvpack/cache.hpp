@@ -136,8 +136,9 @@ class KVCache {
   [[nodiscard]] SeqId add_sequence() {
     auto sequence = std::make_unique<Sequence>(cache_layers_);
     std::unique_lock lock(sequences_mutex_);
-    const SeqId id = next_id_++;
-    sequences_.emplace(id, std::move(sequence));
+    const SeqId id = next_id_;
+    sequences_.emplace(id, std::move(sequence));  // may throw bad_alloc: no id used up
+    ++next_id_;
     return id;
   }
 
@@ -270,15 +271,21 @@ class KVCache {
   [[nodiscard]] SeqId fork(SeqId seq) {
     const Sequence& source = find(seq, "fork");
     auto copy = std::make_unique<Sequence>(source);  // may throw bad_alloc: nothing changed yet
-    for (const LayerState& state : copy->layers) {
+    const Sequence& added = *copy;
+    SeqId id = 0;
+    {
+      std::unique_lock lock(sequences_mutex_);
+      id = next_id_;
+      sequences_.emplace(id, std::move(copy));  // may throw bad_alloc: nothing changed yet
+      ++next_id_;
+    }
+    // Only now the pages gain a reference: no caller knows the new id before it is returned.
+    for (const LayerState& state : added.layers) {
       for (const auto& table : state.tables) {
         for (PageId page : table) pool_.retain(page);
       }
     }
-    account(*copy, +1);
-    std::unique_lock lock(sequences_mutex_);
-    const SeqId id = next_id_++;
-    sequences_.emplace(id, std::move(copy));
+    account(added, +1);
     return id;
   }
 
@@ -633,24 +640,35 @@ class KVCache {
       calibration.values = calibrate_plane(quantizer_.value, total, value_dim_, value_of);
     }
 
-    // 1. Everything that can fail: pages, then buffer growth (pages are returned if that throws).
+    // 1. Everything that can fail, before the layer changes: pages, then new buffers (a first
+    //    write's tails and tables; a larger copy of each table that must grow), moved in below
+    //    once all exist. A throw returns the pages and frees the new buffers.
     std::vector<PageId> fresh(static_cast<std::size_t>(new_pages) * streams_);
     pool_.allocate(fresh);
     const bool first_write = state.tail_keys.empty();
+    std::vector<float> new_tail_keys;
+    std::vector<float> new_tail_values;
+    std::vector<std::int32_t> new_tail_positions;
+    std::vector<std::vector<PageId>> new_tables;  // [streams] when used; capacity 0: keep the old table
     std::size_t table_growth = 0;
     thread_local std::vector<float> staging;
     try {
       staging.resize(static_cast<std::size_t>(page) * std::max(key_dim_, value_dim_));
       if (first_write) {
-        state.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
-        state.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
-        state.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
-        state.tables.resize(static_cast<std::size_t>(streams_));
+        new_tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
+        new_tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
+        new_tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+        new_tables.resize(static_cast<std::size_t>(streams_));
       }
-      for (auto& table : state.tables) {
-        const std::size_t before = table.capacity();
-        if (table.size() + new_pages > before) table.reserve(std::max(table.size() + new_pages, 2 * before));
-        table_growth += (table.capacity() - before) * sizeof(PageId);
+      for (index_t s = 0; s < streams_ && new_pages > 0; ++s) {
+        const std::vector<PageId>* table = first_write ? nullptr : &state.tables[s];
+        const std::size_t size = table != nullptr ? table->size() : 0;
+        const std::size_t before = table != nullptr ? table->capacity() : 0;
+        if (size + new_pages <= before) continue;
+        if (new_tables.empty()) new_tables.resize(static_cast<std::size_t>(streams_));
+        new_tables[s].reserve(std::max(size + new_pages, 2 * before));
+        if (table != nullptr) new_tables[s].assign(table->begin(), table->end());
+        table_growth += (new_tables[s].capacity() - before) * sizeof(PageId);
       }
     } catch (...) {
       for (PageId id : fresh) pool_.release(id);
@@ -659,9 +677,17 @@ class KVCache {
     // 2. No more throws from here on.
     commit_calibration(layer, calibration);
     if (first_write) {
+      state.tail_keys = std::move(new_tail_keys);
+      state.tail_values = std::move(new_tail_values);
+      state.tail_positions = std::move(new_tail_positions);
+      state.tables = std::move(new_tables);
       tail_bytes_.fetch_add((state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
                                 state.tail_positions.capacity() * sizeof(std::int32_t),
                             std::memory_order_relaxed);
+    } else if (!new_tables.empty()) {
+      for (index_t s = 0; s < streams_; ++s) {
+        if (new_tables[s].capacity() > 0) state.tables[s].swap(new_tables[s]);  // the old buffer goes with new_tables
+      }
     }
     table_bytes_.fetch_add(table_growth, std::memory_order_relaxed);
     for (index_t i = 0; i < pinned; ++i) {

@@ -24,8 +24,11 @@ struct CacheConfig {
   /// (integer kernels sum a page in int32, which 256 keeps exact).
   index_t page_size = 32;
   /// Newest tokens kept in full precision (fp32) before being encoded: a multiple of page_size,
-  /// 0 allowed. The tail also holds up to page_size - 1 tokens that do not yet fill a page.
+  /// 0 allowed, at most kMaxTailTokens. The tail also holds up to page_size - 1 tokens that do
+  /// not yet fill a page.
   index_t tail_tokens = 0;
+  /// The largest tail_tokens: a window's row count (exact prefix + tail + a page) stays an int32.
+  static constexpr index_t kMaxTailTokens = index_t{1} << 20;
   /// The first tokens of every layer of a sequence, kept in full precision (fp32) and never
   /// encoded or evicted: attention sinks. KVQuant keeps 1 exact; StreamingLLM keeps 4.
   index_t exact_prefix_tokens = 0;
@@ -46,9 +49,9 @@ struct CacheConfig {
     KVPACK_CHECK(page_size >= 16 && page_size <= 256 && page_size % 16 == 0, kInvalidConfig,
                  detail::message("CacheConfig.page_size must be a multiple of 16 in [16, 256], got ",
                                  page_size));
-    KVPACK_CHECK(tail_tokens >= 0 && tail_tokens % page_size == 0, kInvalidConfig,
+    KVPACK_CHECK(tail_tokens >= 0 && tail_tokens % page_size == 0 && tail_tokens <= kMaxTailTokens, kInvalidConfig,
                  detail::message("CacheConfig.tail_tokens must be a non-negative multiple of "
-                                 "page_size (", page_size, "), got ", tail_tokens));
+                                 "page_size (", page_size, "), at most ", kMaxTailTokens, ", got ", tail_tokens));
     KVPACK_CHECK(max_pages > 0, kInvalidConfig, "CacheConfig.max_pages must be at least 1");
     KVPACK_CHECK(exact_prefix_tokens >= 0 && exact_prefix_tokens <= 4096, kInvalidConfig,
                  detail::message("CacheConfig.exact_prefix_tokens must be in [0, 4096], got ", exact_prefix_tokens));

@@ -52,7 +52,9 @@ GroupRange group_range(float lo, float hi) noexcept {
 template <int Bits>
 std::uint8_t to_code(float x, GroupRange r) noexcept {
   if (r.scale == 0.0f) return 0;
-  const float q = std::clamp((x - r.min) / r.scale, 0.0f, static_cast<float>((1 << Bits) - 1));
+  // fmax/fmin rather than std::clamp: a NaN (check_inputs off) becomes code 0, not an
+  // out-of-range float-to-integer conversion (undefined behaviour).
+  const float q = std::fmin(std::fmax((x - r.min) / r.scale, 0.0f), static_cast<float>((1 << Bits) - 1));
   return static_cast<std::uint8_t>(std::nearbyint(q));
 }
 

@@ -84,7 +84,7 @@ TEST_CASE("a pool rejects formats it cannot align", "[paging]") {
   CHECK_THROWS_AS(PagePool(PageFormat{128, 8}, 0), kvpack::Error);
 }
 
-TEST_CASE("concurrent allocate, retain and release balance to zero", "[paging]") {
+TEST_CASE("concurrent allocate, retain and release balance to zero", "[paging][threads]") {
   PagePool pool(PageFormat{256, 16}, 2000);
   std::mutex held_mutex;
   std::multiset<PageId> held;  // every page currently owned by some thread

@@ -239,7 +239,7 @@ KVPACK_ALWAYS_INLINE void score_q4_0_tile_vnni(const std::byte* plane, std::size
           plane + codes_bytes + (static_cast<std::size_t>(b) * page_size + t0 + 16 * i) * 2)));
       for (int h = 0; h < kG; ++h) {
         const std::size_t hb = static_cast<std::size_t>(h0 + h) * blocks + b;
-        const __m512i centred = _mm512_sub_epi32(sum[h][i], _mm512_set1_epi32(8 * q.block_sums[hb]));
+        const __m512i centred = _mm512_sub_epi32(sum[h][i], _mm512_slli_epi32(_mm512_set1_epi32(q.block_sums[hb]), 3));
         total[h][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale, _mm512_set1_ps(q.step[hb])),
                                       total[h][i]);
       }
@@ -285,7 +285,9 @@ KVPACK_ALWAYS_INLINE void accumulate_q4_0_tile_vnni(const std::byte* plane, inde
   for (int h = 0; h < kG; ++h) {
     const std::size_t hb = static_cast<std::size_t>(h0 + h) * blocks + b;
     const __m512 step = _mm512_set1_ps(w.step[hb]);
-    const __m512i offset = _mm512_set1_epi32(8 * w.sums[hb]);
+    // 8 · sum shifted in the vector: it wraps like the sums themselves instead of overflowing an
+    // int (|sum| <= 127 · 256 for finite input; NaN/Inf with check_inputs off give INT_MIN lanes).
+    const __m512i offset = _mm512_slli_epi32(_mm512_set1_epi32(w.sums[hb]), 3);
     float* out = acc + h * head_dim + 32 * b;
     _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(low_sum[h], offset)), step,
                                           _mm512_loadu_ps(out)));
