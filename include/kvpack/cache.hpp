@@ -38,7 +38,8 @@ concept InputElement = std::is_convertible_v<T, float>;
 /// plus a full-precision tail. See DESIGN.md §2–§3.
 ///
 /// Threads: one sequence is mutated by one thread at a time; different sequences may be written
-/// and read from different threads concurrently; `memory()` may be called from any thread.
+/// and read from different threads concurrently, and a sequence no thread is changing may be
+/// attended and forked from several at once; `memory()` may be called from any thread.
 /// Every call that throws leaves the cache as it was (the strong guarantee).
 ///
 /// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K> — how tokens map to KV streams, and
