@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -18,6 +19,7 @@
 
 #include "kvpack/cache_config.hpp"
 #include "kvpack/core/half.hpp"
+#include "kvpack/evict/attention_scores.hpp"
 #include "kvpack/evict/evict_concepts.hpp"
 #include "kvpack/evict/keep_all.hpp"
 #include "kvpack/kernels/attend_stream.hpp"
@@ -42,10 +44,23 @@ concept InputElement = std::is_convertible_v<T, float>;
 /// attended and forked from several at once; `memory()` may be called from any thread.
 /// Every call that throws leaves the cache as it was (the strong guarantee).
 ///
+/// Eviction: with an Evictor that drops tokens, each prefill (and each append, for evictors that
+/// evict during decode) ends by letting every (layer, KV stream) over its budget drop tokens. A
+/// tail row dies before it is encoded (a page all of whose rows died is never allocated), a page
+/// slot dies in its page's live mask, a page whose last slot dies goes back to the pool, and once
+/// half of a stream's page slots are dead its pages are compacted: decoded and re-encoded densely
+/// (group codecs re-quantize; see the README for the bound). Pages shared with a fork are copied
+/// before they change. Eviction never fails the write that triggered it: when it cannot get
+/// memory it keeps those tokens and tries again after the next write. Tokens in a pinned span
+/// (`pin`) and the exact prefix are never dropped. With an evictor that needs scores (H2O),
+/// `attend` adds every token's attention probability to its score, so attending a sequence
+/// changes it: one thread at a time per sequence.
+///
 /// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K> — how tokens map to KV streams, and
 ///                   which layers keep a cache
 /// \tparam Quantizer quant::Float<T>, quant::FP8<F>, quant::Int8, quant::Q8_0, quant::Q4_0, ...
-/// \tparam Evictor   evict::KeepAll
+/// \tparam Evictor   evict::KeepAll, evict::StreamingLLM<Budget>, evict::H2O<Budget>, evict::SnapKV<Budget>
+///                   — which tokens each (layer, KV stream) drops after a write; see "Eviction" below
 /// \tparam Selector  select::DenseRead
 template <layout::Layout Layout, quant::Quantizer Quantizer, evict::Evictor Evictor = evict::KeepAll,
           select::PageSelector Selector = select::DenseRead>
@@ -54,6 +69,12 @@ class KVCache {
   using ValueCodec = typename Quantizer::value_codec;
   using KeyParams = typename KeyCodec::params_type;
   using ValueParams = typename ValueCodec::params_type;
+  static constexpr bool kEvicts = Evictor::kDropsTokens;
+  /// Whether per-slot attention scores are kept for the evictor.
+  static constexpr bool kKeepsScores = [] {
+    if constexpr (Evictor::kDropsTokens) return Evictor::kNeedsScores || Evictor::kUsesObservation;
+    return false;
+  }();
 
   static_assert(KeyCodec::kPlane == Plane::kKey,
                 "Quantizer::key_codec encodes the value plane: keys need a key-plane codec "
@@ -63,8 +84,6 @@ class KVCache {
   static_assert(!(Evictor::kNeedsScores && !Selector::kReadsAllPages),
                 "an Evictor that ranks tokens by attention scores cannot be combined with a "
                 "Selector that skips pages: tokens on unread pages would never be scored");
-  static_assert(!Evictor::kDropsTokens,
-                "this KVCache does not apply token-dropping evictors yet; use evict::KeepAll");
   static_assert(Selector::kReadsAllPages,
                 "this KVCache does not apply page selection yet; use select::DenseRead");
 
@@ -97,6 +116,7 @@ class KVCache {
     }
     quantizer_.key.validate(key_geometry());
     quantizer_.value.validate(value_geometry());
+    if constexpr (kEvicts) evictor_.validate();
     KVPACK_CHECK(key_dim_ == value_dim_, kUnsupported,
                  "KVCache's attention kernels need key and value rows of the same width");
     key_params_.reserve(static_cast<std::size_t>(cache_layers_) * streams_);
@@ -147,8 +167,10 @@ class KVCache {
   /// one (0 for an empty layer); call again to prefill in chunks.
   /// \param keys   [T][kv_heads][head_dim], T > 0
   /// \param values [T][kv_heads][head_dim]
-  /// \param observation_queries [W][q_heads][head_dim], the last W prompt queries, for evictors
-  ///        that rank tokens by attention (SnapKV); checked, unused by evict::KeepAll
+  /// \param observation_queries [W][q_heads][head_dim], the last W prompt queries (after RoPE),
+  ///        for evictors that rank tokens by attention (SnapKV, H2O): query w is taken to sit at
+  ///        position last − (W − 1 − w) and scores the tokens up to it with scale 1/√head_dim;
+  ///        checked, unused by evictors that do not score
   template <InputElement T>
   void prefill(SeqId seq, index_t layer, std::span<const T> keys, std::span<const T> values,
                std::span<const T> observation_queries = {}) {
@@ -177,6 +199,12 @@ class KVCache {
     }
     write_tokens(state, layer, as_floats(keys, 0), as_floats(values, 1),
                  static_cast<index_t>(tokens), static_cast<std::int32_t>(first), "prefill");
+    if constexpr (kEvicts) {
+      if constexpr (Evictor::kUsesObservation) {
+        if (!observation_queries.empty()) add_observation_scores(state, layer, as_floats(observation_queries, 2));
+      }
+      evict_layer(sequence, state, layer);
+    }
   }
 
   /// Appends one decoded token's key and value for one layer.
@@ -201,6 +229,32 @@ class KVCache {
                  detail::message("append: position ", position, " exceeds ", max_position(), max_position_reason()));
     write_tokens(state, layer, as_floats(key, 0), as_floats(value, 1), 1,
                  static_cast<std::int32_t>(position), "append");
+    if constexpr (kEvicts) {
+      if constexpr (Evictor::kEvictsOnAppend) evict_layer(sequence, state, layer);
+    }
+  }
+
+  /// Pins positions [first, last] of a sequence in every layer, including tokens not written
+  /// yet: no evictor drops them (a system prompt, tool definitions). Pins cannot be removed.
+  void pin(SeqId seq, std::int64_t first, std::int64_t last) {
+    Sequence& sequence = find(seq, "pin");
+    KVPACK_CHECK(first >= 0 && first <= last, kInvalidArgument,
+                 detail::message("pin: need 0 <= first <= last, got [", first, ", ", last, "]"));
+    sequence.pins.emplace_back(first, last);
+  }
+
+  /// Tokens of one KV stream that an evictor has not dropped (length() counts every token ever
+  /// written to the layer).
+  [[nodiscard]] index_t live_tokens(SeqId seq, index_t layer, index_t stream) const {
+    const Sequence& sequence = find(seq, "live_tokens");
+    layer = stored_layer(layer, "live_tokens");
+    KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
+                 detail::message("live_tokens: stream ", stream, " out of range"));
+    const LayerState& state = sequence.layers[layer];
+    if constexpr (kEvicts) {
+      if (!state.eviction.empty()) return state.eviction[stream].live_tokens;
+    }
+    return state.tokens;
   }
 
   /// Decode attention for one layer: out[h] = softmax(scale · q[h] · Kᵀ) V over every token of
@@ -231,9 +285,23 @@ class KVCache {
       thread_local std::vector<float> scaled_queries;
       thread_local std::vector<const std::byte*> page_pointers;
       thread_local std::vector<const std::int32_t*> page_positions;
+      thread_local std::vector<const std::uint64_t*> page_live;
+      thread_local std::vector<float> recorded;
       const std::vector<PageId>& table = state.tables[s];
       page_pointers.resize(table.size());
       for (std::size_t i = 0; i < table.size(); ++i) page_pointers[i] = pool_.payload(table[i]);
+      const std::uint64_t* const* live = nullptr;
+      const std::uint8_t* row_live = nullptr;
+      if constexpr (kEvicts) {
+        // Pages with dead slots hand their live masks to the kernels; full pages keep the fast path.
+        page_live.resize(table.size());
+        for (std::size_t i = 0; i < table.size(); ++i) {
+          const std::uint64_t* mask = live_mask(table[i]);
+          page_live[i] = live_count(mask) == config_.page_size ? nullptr : mask;
+        }
+        live = page_live.data();
+        row_live = state.eviction[s].row_live.data();
+      }
       kernels::KeyRope key_rope;
       if (config_.key_rope) {
         // Slot positions lead each page's metadata.
@@ -248,17 +316,27 @@ class KVCache {
         scaled_queries[i] = q[static_cast<std::size_t>(s) * group * key_dim_ + i] * scale;
       }
       workspace.prepare(group, key_dim_, config_.page_size, state.rows_count());
-      const kernels::PageRun run{page_pointers.data(), nullptr, static_cast<index_t>(table.size()), 0,
+      const kernels::PageRun run{page_pointers.data(), live, static_cast<index_t>(table.size()), 0,
                                  config_.page_size, key_dim_, value_plane_offset(),
                                  pool_.format().payload_bytes};
       const std::size_t tail_offset = static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
       const kernels::TailView tail{state.tail_keys.data() + tail_offset,
-                                   state.tail_values.data() + tail_offset, state.rows_count()};
+                                   state.tail_values.data() + tail_offset, state.rows_count(), row_live};
       const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+      kernels::ScoreRecord record;
+      if constexpr (kEvicts && Evictor::kNeedsScores) {
+        record.stride = static_cast<index_t>(table.size()) * config_.page_size + state.rows_count();
+        recorded.resize(static_cast<std::size_t>(group) * record.stride);
+        record.scores = recorded.data();
+      }
       kernels::attend_stream<KeyCodec, ValueCodec>(run, key_params_[p], value_params_[p], tail,
                                                    scaled_queries.data(), group,
                                                    out.data() + static_cast<std::size_t>(s) * group * value_dim_,
-                                                   workspace, kernel_set, config_.key_rope ? &key_rope : nullptr);
+                                                   workspace, kernel_set, config_.key_rope ? &key_rope : nullptr,
+                                                   record.scores != nullptr ? &record : nullptr);
+      if constexpr (kEvicts && Evictor::kNeedsScores) {
+        add_attention_scores(state.eviction[s], record, workspace, group);
+      }
     };
     if (config_.executor && streams_ > 1) {
       config_.executor(streams_, attend_stream);
@@ -377,7 +455,60 @@ class KVCache {
     layer = stored_layer(layer, "read_back");
     KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
                  detail::message("read_back: stream ", stream, " out of range [0, ", streams_, ")"));
-    const LayerState& state = sequence.layers[layer];
+    return stored_tokens(sequence.layers[layer], layer, stream, nullptr);
+  }
+
+ private:
+  /// One KV stream's state for a dropping evictor, slot-aligned with its pages and rows.
+  struct StreamEviction {
+    std::vector<float> page_scores;      ///< [pages][page_size] attention scores (kKeepsScores)
+    std::vector<std::uint8_t> row_live;  ///< [tail_capacity] per full-precision row: 0 once dropped
+    std::vector<float> row_scores;       ///< [tail_capacity] (kKeepsScores)
+    index_t live_tokens = 0;             ///< tokens not dropped, exact prefix included
+    index_t dead_page_slots = 0;         ///< dead slots in its pages: what compaction would free
+  };
+  /// One layer of one sequence. Its full-precision rows, per stream: the exact prefix (rows
+  /// [0, prefix_count), never encoded) and the tail (rows [exact_prefix_tokens, … + tail_count),
+  /// encoded a page at a time). Only a full prefix is followed by tail rows, so the rows in use
+  /// are always [0, rows_count()).
+  struct LayerState {
+    std::vector<std::vector<PageId>> tables;  ///< [streams] block tables, token order
+    /// [streams] when Evictor::kDropsTokens, else empty. Mutable: attend adds scores (H2O).
+    mutable std::vector<StreamEviction> eviction;
+    std::vector<float> tail_keys;             ///< [streams][tail_capacity][key_dim]
+    std::vector<float> tail_values;           ///< [streams][tail_capacity][value_dim]
+    std::vector<std::int32_t> tail_positions;  ///< [tail_capacity]
+    index_t prefix_count = 0;
+    index_t tail_count = 0;
+    [[nodiscard]] index_t rows_count() const noexcept { return prefix_count + tail_count; }
+    index_t tokens = 0;
+    std::int64_t last_position = -1;
+  };
+  struct Sequence {
+    explicit Sequence(index_t layers) : layers(static_cast<std::size_t>(layers)) {}
+    std::vector<LayerState> layers;
+    std::vector<std::pair<std::int64_t, std::int64_t>> pins;  ///< pinned [first, last] positions
+    [[nodiscard]] bool pinned(std::int64_t position) const noexcept {
+      return std::any_of(pins.begin(), pins.end(), [&](const auto& pin) {
+        return position >= pin.first && position <= pin.second;
+      });
+    }
+  };
+  /// Where a token of a stream lives: slot `slot` of page `page` of its table, or, when page is
+  /// -1, full-precision row `slot`.
+  struct SlotRef {
+    index_t page = -1;
+    index_t slot = 0;
+  };
+
+  static constexpr std::size_t round_up(std::size_t n, std::size_t multiple) noexcept {
+    return (n + multiple - 1) / multiple * multiple;
+  }
+
+  /// read_back's work: the live tokens of one stream, decoded; `refs`, when given, receives
+  /// where each of them lives.
+  [[nodiscard]] StoredTokens stored_tokens(const LayerState& state, index_t layer, index_t stream,
+                                           std::vector<SlotRef>* refs) const {
     StoredTokens stored;
     stored.key_dim = key_dim_;
     stored.value_dim = value_dim_;
@@ -389,16 +520,21 @@ class KVCache {
     // Full-precision rows [first, last) of this stream: the exact prefix, then the tail.
     const float* rows_k = state.tail_keys.data() + static_cast<std::size_t>(stream) * tail_capacity() * key_dim_;
     const float* rows_v = state.tail_values.data() + static_cast<std::size_t>(stream) * tail_capacity() * value_dim_;
+    const std::uint8_t* row_live = state.eviction.empty() ? nullptr : state.eviction[stream].row_live.data();
     auto add_rows = [&](index_t first, index_t last) {
-      stored.positions.insert(stored.positions.end(), state.tail_positions.begin() + first,
-                              state.tail_positions.begin() + last);
-      stored.keys.insert(stored.keys.end(), rows_k + static_cast<std::size_t>(first) * key_dim_,
-                         rows_k + static_cast<std::size_t>(last) * key_dim_);
-      stored.values.insert(stored.values.end(), rows_v + static_cast<std::size_t>(first) * value_dim_,
-                           rows_v + static_cast<std::size_t>(last) * value_dim_);
+      for (index_t r = first; r < last; ++r) {
+        if (row_live != nullptr && row_live[r] == 0) continue;
+        stored.positions.push_back(state.tail_positions[r]);
+        stored.keys.insert(stored.keys.end(), rows_k + static_cast<std::size_t>(r) * key_dim_,
+                           rows_k + static_cast<std::size_t>(r + 1) * key_dim_);
+        stored.values.insert(stored.values.end(), rows_v + static_cast<std::size_t>(r) * value_dim_,
+                             rows_v + static_cast<std::size_t>(r + 1) * value_dim_);
+        if (refs != nullptr) refs->push_back({-1, r});
+      }
     };
     add_rows(0, state.prefix_count);
-    for (PageId id : state.tables[stream]) {
+    for (index_t i = 0; i < static_cast<index_t>(state.tables[stream].size()); ++i) {
+      const PageId id = state.tables[stream][i];
       const std::byte* payload = pool_.payload(id);
       quantizer_.key.decode(key_geometry(), payload, key_params_[p], keys.data());
       quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[p], values.data());
@@ -415,6 +551,7 @@ class KVCache {
                            keys.begin() + static_cast<std::ptrdiff_t>(t + 1) * key_dim_);
         stored.values.insert(stored.values.end(), values.begin() + static_cast<std::ptrdiff_t>(t) * value_dim_,
                              values.begin() + static_cast<std::ptrdiff_t>(t + 1) * value_dim_);
+        if (refs != nullptr) refs->push_back({i, t});
       }
     }
     add_rows(state.prefix_count, state.rows_count());
@@ -425,31 +562,6 @@ class KVCache {
       }
     }
     return stored;
-  }
-
- private:
-  /// One layer of one sequence. Its full-precision rows, per stream: the exact prefix (rows
-  /// [0, prefix_count), never encoded) and the tail (rows [exact_prefix_tokens, … + tail_count),
-  /// encoded a page at a time). Only a full prefix is followed by tail rows, so the rows in use
-  /// are always [0, rows_count()).
-  struct LayerState {
-    std::vector<std::vector<PageId>> tables;  ///< [streams] block tables, token order
-    std::vector<float> tail_keys;             ///< [streams][tail_capacity][key_dim]
-    std::vector<float> tail_values;           ///< [streams][tail_capacity][value_dim]
-    std::vector<std::int32_t> tail_positions;  ///< [tail_capacity]
-    index_t prefix_count = 0;
-    index_t tail_count = 0;
-    [[nodiscard]] index_t rows_count() const noexcept { return prefix_count + tail_count; }
-    index_t tokens = 0;
-    std::int64_t last_position = -1;
-  };
-  struct Sequence {
-    explicit Sequence(index_t layers) : layers(static_cast<std::size_t>(layers)) {}
-    std::vector<LayerState> layers;
-  };
-
-  static constexpr std::size_t round_up(std::size_t n, std::size_t multiple) noexcept {
-    return (n + multiple - 1) / multiple * multiple;
   }
 
   static index_t validated_streams(const Layout& layout, const ModelShape& shape) {
@@ -644,13 +756,30 @@ class KVCache {
     // 1. Everything that can fail, before the layer changes: pages, then new buffers (a first
     //    write's tails and tables; a larger copy of each table that must grow), moved in below
     //    once all exist. A throw returns the pages and frees the new buffers.
-    std::vector<PageId> fresh(static_cast<std::size_t>(new_pages) * streams_);
-    pool_.allocate(fresh);
     const bool first_write = state.tail_keys.empty();
+    // fresh_index[s * new_pages + p]: page p of stream s in `fresh`, or -1 when an evictor has
+    // dropped every row it would hold (such a page is never allocated). Stream-major: a stream's
+    // new pages are consecutive ids, i.e. adjacent in the pool, so the hardware prefetcher
+    // streams through them during attention.
+    std::vector<index_t> fresh_index(static_cast<std::size_t>(new_pages) * streams_);
+    index_t fresh_count = 0;
+    for (index_t s = 0; s < streams_; ++s) {
+      for (index_t p = 0; p < new_pages; ++p) {
+        const bool dead = !first_write && !state.eviction.empty() && (p + 1) * page <= state.tail_count &&
+                          std::all_of(state.eviction[s].row_live.begin() + tail_start + p * page,
+                                      state.eviction[s].row_live.begin() + tail_start + (p + 1) * page,
+                                      [](std::uint8_t live) { return live == 0; });
+        fresh_index[static_cast<std::size_t>(s) * new_pages + p] = dead ? -1 : fresh_count++;
+      }
+    }
+    std::vector<PageId> fresh(static_cast<std::size_t>(fresh_count));
+    pool_.allocate(fresh);
     std::vector<float> new_tail_keys;
     std::vector<float> new_tail_values;
     std::vector<std::int32_t> new_tail_positions;
+    std::vector<StreamEviction> new_eviction;
     std::vector<std::vector<PageId>> new_tables;  // [streams] when used; capacity 0: keep the old table
+    std::vector<std::vector<float>> new_page_scores;  // the same for StreamEviction::page_scores
     std::size_t table_growth = 0;
     thread_local std::vector<float> staging;
     try {
@@ -660,6 +789,13 @@ class KVCache {
         new_tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
         new_tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
         new_tables.resize(static_cast<std::size_t>(streams_));
+        if constexpr (kEvicts) {
+          new_eviction.resize(static_cast<std::size_t>(streams_));
+          for (StreamEviction& stream : new_eviction) {
+            stream.row_live.assign(static_cast<std::size_t>(tail_capacity()), 1);
+            if constexpr (kKeepsScores) stream.row_scores.assign(static_cast<std::size_t>(tail_capacity()), 0.0f);
+          }
+        }
       }
       for (index_t s = 0; s < streams_ && new_pages > 0; ++s) {
         const std::vector<PageId>* table = first_write ? nullptr : &state.tables[s];
@@ -670,6 +806,17 @@ class KVCache {
         new_tables[s].reserve(std::max(size + new_pages, 2 * before));
         if (table != nullptr) new_tables[s].assign(table->begin(), table->end());
         table_growth += (new_tables[s].capacity() - before) * sizeof(PageId);
+      }
+      for (index_t s = 0; s < streams_ && kKeepsScores && new_pages > 0; ++s) {
+        const std::vector<float>* scores = first_write ? nullptr : &state.eviction[s].page_scores;
+        const std::size_t size = scores != nullptr ? scores->size() : 0;
+        const std::size_t need = size + static_cast<std::size_t>(new_pages) * page;
+        const std::size_t before = scores != nullptr ? scores->capacity() : 0;
+        if (need <= before) continue;
+        if (new_page_scores.empty()) new_page_scores.resize(static_cast<std::size_t>(streams_));
+        new_page_scores[s].reserve(std::max(need, 2 * before));
+        if (scores != nullptr) new_page_scores[s].assign(scores->begin(), scores->end());
+        table_growth += (new_page_scores[s].capacity() - before) * sizeof(float);
       }
     } catch (...) {
       for (PageId id : fresh) pool_.release(id);
@@ -682,13 +829,20 @@ class KVCache {
       state.tail_values = std::move(new_tail_values);
       state.tail_positions = std::move(new_tail_positions);
       state.tables = std::move(new_tables);
-      tail_bytes_.fetch_add((state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
-                                state.tail_positions.capacity() * sizeof(std::int32_t),
-                            std::memory_order_relaxed);
+      state.eviction = std::move(new_eviction);
+      std::size_t bytes = (state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
+                          state.tail_positions.capacity() * sizeof(std::int32_t);
+      for (const StreamEviction& stream : state.eviction) {
+        bytes += stream.row_live.capacity() + stream.row_scores.capacity() * sizeof(float);
+      }
+      tail_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     } else if (!new_tables.empty()) {
       for (index_t s = 0; s < streams_; ++s) {
         if (new_tables[s].capacity() > 0) state.tables[s].swap(new_tables[s]);  // the old buffer goes with new_tables
       }
+    }
+    for (index_t s = 0; s < static_cast<index_t>(new_page_scores.size()); ++s) {
+      if (new_page_scores[s].capacity() > 0) state.eviction[s].page_scores.swap(new_page_scores[s]);
     }
     table_bytes_.fetch_add(table_growth, std::memory_order_relaxed);
     for (index_t i = 0; i < pinned; ++i) {
@@ -704,13 +858,17 @@ class KVCache {
     }
     state.prefix_count += pinned;
 
-    // 3. Encode full pages from the oldest tokens.
+    // 3. Encode full pages from the oldest tokens. Rows an evictor dropped in the tail become
+    //    dead slots; their scores move along.
+    auto row_live = [&](index_t s, index_t i) -> bool {
+      return state.eviction.empty() || i >= state.tail_count || state.eviction[s].row_live[tail_start + i] != 0;
+    };
     for (index_t p = 0; p < new_pages; ++p) {
       const index_t begin = p * page;
       for (index_t s = 0; s < streams_; ++s) {
-        // Stream-major: a stream's new pages are consecutive ids, i.e. adjacent in the pool, so
-        // the hardware prefetcher streams through them during attention.
-        const PageId id = fresh[static_cast<std::size_t>(s) * new_pages + p];
+        const index_t index = fresh_index[static_cast<std::size_t>(s) * new_pages + p];
+        if (index < 0) continue;
+        const PageId id = fresh[static_cast<std::size_t>(index)];
         std::byte* payload = pool_.payload(id);
         const std::size_t params = static_cast<std::size_t>(layer) * streams_ + s;
         encode_plane(quantizer_.key, key_geometry(), key_dim_, key_row, state.tail_count, begin,
@@ -718,8 +876,19 @@ class KVCache {
         encode_plane(quantizer_.value, value_geometry(), value_dim_, value_row, state.tail_count, begin,
                      [&](index_t i) { return value_of(s, i); }, value_params_[params],
                      payload + value_plane_offset(), staging);
-        write_slot_metadata(pool_.metadata(id), [&](index_t t) { return position_of(begin + t); });
+        write_slot_metadata(pool_.metadata(id), [&](index_t t) { return position_of(begin + t); },
+                            [&](index_t t) { return row_live(s, begin + t); });
         state.tables[s].push_back(id);
+        if constexpr (kEvicts) {
+          StreamEviction& stream = state.eviction[s];
+          for (index_t t = 0; t < page; ++t) {
+            stream.dead_page_slots += row_live(s, begin + t) ? 0 : 1;
+            if constexpr (kKeepsScores) {
+              const index_t i = begin + t;
+              stream.page_scores.push_back(i < state.tail_count ? stream.row_scores[tail_start + i] : 0.0f);
+            }
+          }
+        }
       }
     }
 
@@ -746,6 +915,11 @@ class KVCache {
       std::memmove(tail_positions, tail_positions + consumed, static_cast<std::size_t>(kept_old) * sizeof(std::int32_t));
     }
     for (index_t i = std::max(consumed, state.tail_count); i < total; ++i) tail_positions[i - consumed] = position_of(i);
+    for (StreamEviction& stream : state.eviction) {
+      shift_rows(stream.row_live, tail_start, consumed, kept_old, total - consumed, std::uint8_t{1});
+      if constexpr (kKeepsScores) shift_rows(stream.row_scores, tail_start, consumed, kept_old, total - consumed, 0.0f);
+      stream.live_tokens += all_count;
+    }
     state.tail_count = total - consumed;
     state.tokens += all_count;
     state.last_position = static_cast<std::int64_t>(all_first) + all_count - 1;
@@ -771,19 +945,313 @@ class KVCache {
     codec.encode(geometry, staging.data(), dim, params, plane);
   }
 
-  /// Slot positions, then the live mask (every slot live).
-  template <class PositionOf>
-  void write_slot_metadata(std::byte* metadata, PositionOf position_of) const noexcept {
+  /// Slot positions, then the live mask.
+  template <class PositionOf, class LiveOf>
+  void write_slot_metadata(std::byte* metadata, PositionOf position_of, LiveOf live_of) const noexcept {
     for (index_t t = 0; t < config_.page_size; ++t) {
       const std::int32_t position = position_of(t);
       std::memcpy(metadata + static_cast<std::size_t>(t) * sizeof(std::int32_t), &position, sizeof(position));
     }
-    std::byte* mask = metadata + static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t);
-    for (std::size_t w = 0; w < live_mask_words(); ++w) {
-      const index_t bits = std::min<index_t>(64, config_.page_size - static_cast<index_t>(w) * 64);
-      const std::uint64_t word = bits == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
-      std::memcpy(mask + w * sizeof(word), &word, sizeof(word));
+    std::uint64_t* mask = live_mask(metadata);
+    std::fill_n(mask, live_mask_words(), std::uint64_t{0});
+    for (index_t t = 0; t < config_.page_size; ++t) {
+      if (live_of(t)) mask[t / 64] |= std::uint64_t{1} << (t % 64);
     }
+  }
+
+  /// The tail rows of one stream's per-row state move like the rows: `kept` rows from
+  /// first + consumed down to first, then new rows (value `fresh`) up to `count`.
+  template <class T>
+  static void shift_rows(std::vector<T>& rows, index_t first, index_t consumed, index_t kept, index_t count,
+                         T fresh) noexcept {
+    T* tail = rows.data() + first;
+    if (kept > 0 && consumed > 0) std::memmove(tail, tail + consumed, static_cast<std::size_t>(kept) * sizeof(T));
+    std::fill(tail + kept, tail + count, fresh);
+  }
+
+  // ---- Eviction (Evictor::kDropsTokens) ----
+
+  [[nodiscard]] std::uint64_t* live_mask(std::byte* metadata) const noexcept {
+    return reinterpret_cast<std::uint64_t*>(metadata + static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t));
+  }
+  [[nodiscard]] const std::uint64_t* live_mask(PageId id) const noexcept {
+    return reinterpret_cast<const std::uint64_t*>(pool_.metadata(id) +
+                                                  static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t));
+  }
+  [[nodiscard]] index_t live_count(const std::uint64_t* mask) const noexcept {
+    index_t count = 0;
+    for (std::size_t w = 0; w < live_mask_words(); ++w) count += static_cast<index_t>(std::popcount(mask[w]));
+    return count;
+  }
+
+  /// Adds the observation window's attention to every live token's score, per stream.
+  void add_observation_scores(LayerState& state, index_t layer, std::span<const float> queries) {
+    const index_t group = shape_.group_size();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(key_dim_));
+    std::vector<SlotRef> refs;
+    std::vector<float> scores;
+    for (index_t s = 0; s < streams_; ++s) {
+      refs.clear();
+      const StoredTokens stored = stored_tokens(state, layer, s, &refs);
+      scores.resize(refs.size());
+      evict::observation_scores(stored.keys, stored.positions, key_dim_, queries, shape_.q_heads, s * group, group,
+                                state.last_position, scale, evictor_.reduce(), scores);
+      StreamEviction& stream = state.eviction[s];
+      for (std::size_t j = 0; j < refs.size(); ++j) slot_score(stream, refs[j]) += scores[j];
+    }
+  }
+
+  [[nodiscard]] float& slot_score(StreamEviction& stream, SlotRef ref) const noexcept {
+    return ref.page < 0 ? stream.row_scores[ref.slot]
+                        : stream.page_scores[static_cast<std::size_t>(ref.page) * config_.page_size + ref.slot];
+  }
+
+  /// Adds the attention probabilities `attend` recorded for one stream (see kernels::ScoreRecord)
+  /// to its tokens' scores, reduced over the group.
+  void add_attention_scores(StreamEviction& stream, const kernels::ScoreRecord& record,
+                            const kernels::Workspace& workspace, index_t group) const noexcept {
+    const std::size_t page_slots = stream.page_scores.size();
+    const evict::GroupReduce reduce = evictor_.reduce();
+    for (index_t j = 0; j < record.stride; ++j) {
+      float score = 0.0f;
+      for (index_t h = 0; h < group; ++h) {
+        const float logit = record.scores[static_cast<std::size_t>(h) * record.stride + j];
+        const float sum = workspace.running_sum()[h];
+        const float probability =
+            logit == -std::numeric_limits<float>::infinity() || sum <= 0.0f
+                ? 0.0f
+                : std::exp(logit - workspace.running_max()[h]) / sum;
+        evict::fold_head(reduce, probability, score);
+      }
+      score = evict::finish_group(reduce, score, group);
+      if (static_cast<std::size_t>(j) < page_slots) {
+        stream.page_scores[static_cast<std::size_t>(j)] += score;
+      } else {
+        stream.row_scores[static_cast<std::size_t>(j) - page_slots] += score;
+      }
+    }
+  }
+
+  /// Lets every stream of a layer over its budget drop tokens. Never throws: it runs after a
+  /// write has committed, so when memory runs short (bad_alloc, or no page to copy a shared one
+  /// into) it leaves tokens alive and the next write tries again.
+  void evict_layer(const Sequence& sequence, LayerState& state, index_t layer) noexcept {
+    for (index_t s = 0; s < static_cast<index_t>(state.eviction.size()); ++s) {
+      try {
+        evict_stream(sequence, state, layer, s);
+      } catch (const std::bad_alloc&) {
+      } catch (const Error&) {  // OutOfPages from a copy-on-write
+      }
+    }
+  }
+
+  void evict_stream(const Sequence& sequence, LayerState& state, index_t layer, index_t s) {
+    StreamEviction& stream = state.eviction[s];
+    const index_t budget = evictor_.capacity(layer, cache_layers_, stream.live_tokens);
+    if (stream.live_tokens <= budget) return;
+    // The exact prefix is kept and counts towards the budget; the evictor sees the rest.
+    thread_local std::vector<SlotRef> refs;
+    thread_local std::vector<std::int32_t> positions;
+    thread_local std::vector<float> scores;
+    thread_local std::vector<std::uint8_t> pinned;
+    thread_local std::vector<std::uint8_t> keep;
+    refs.clear();
+    positions.clear();
+    scores.clear();
+    const std::vector<PageId>& table = state.tables[s];
+    for (index_t i = 0; i < static_cast<index_t>(table.size()); ++i) {
+      const std::byte* metadata = pool_.metadata(table[i]);
+      const std::uint64_t* mask = live_mask(table[i]);
+      for (index_t t = 0; t < config_.page_size; ++t) {
+        if (((mask[t / 64] >> (t % 64)) & 1u) == 0) continue;
+        std::int32_t position = 0;
+        std::memcpy(&position, metadata + static_cast<std::size_t>(t) * sizeof(position), sizeof(position));
+        refs.push_back({i, t});
+        positions.push_back(position);
+      }
+    }
+    for (index_t r = state.prefix_count; r < state.rows_count(); ++r) {
+      if (stream.row_live[r] == 0) continue;
+      refs.push_back({-1, r});
+      positions.push_back(state.tail_positions[r]);
+    }
+    if constexpr (kKeepsScores) {
+      for (const SlotRef& ref : refs) scores.push_back(slot_score(stream, ref));
+    }
+    pinned.resize(refs.size());
+    for (std::size_t j = 0; j < refs.size(); ++j) pinned[j] = sequence.pinned(positions[j]) ? 1 : 0;
+    keep.assign(refs.size(), 0);
+    const evict::StreamTokens tokens{positions, scores, pinned, std::max<index_t>(0, budget - state.prefix_count),
+                                     state.prefix_count};
+    evictor_.choose(tokens, keep);
+    drop_tokens(state, s, refs, keep);
+    if (stream.dead_page_slots >= config_.page_size &&
+        2 * static_cast<std::size_t>(stream.dead_page_slots) >= table.size() * config_.page_size) {
+      compact_stream(state, layer, s);
+    }
+  }
+
+  /// Kills the tokens of `refs` (evict_stream's) whose keep flag is 0: tail rows in their live
+  /// flags, page slots in their page's live mask (copying a page a fork shares first); frees pages
+  /// left without a live slot.
+  void drop_tokens(LayerState& state, index_t s, std::span<const SlotRef> refs, std::span<const std::uint8_t> keep) {
+    StreamEviction& stream = state.eviction[s];
+    std::vector<PageId>& table = state.tables[s];
+    index_t dropped = 0;
+    std::size_t j = 0;
+    bool emptied = false;
+    while (j < refs.size()) {
+      const SlotRef ref = refs[j];
+      if (ref.page < 0) {
+        if (keep[j] == 0) {
+          stream.row_live[ref.slot] = 0;
+          ++dropped;
+        }
+        ++j;
+        continue;
+      }
+      // All of this page's entries, then drop them together (one copy-on-write at most).
+      std::size_t end = j;
+      index_t drops = 0;
+      while (end < refs.size() && refs[end].page == ref.page) drops += keep[end++] == 0 ? 1 : 0;
+      if (drops > 0) {
+        PageId id = table[ref.page];
+        if (pool_.ref_count(id) > 1) {
+          PageId copy = 0;
+          try {
+            copy = pool_.allocate_one();
+          } catch (const OutOfPages&) {
+            j = end;  // keep this page's tokens; retried after the next write
+            continue;
+          }
+          std::memcpy(pool_.payload(copy), pool_.payload(id), pool_.format().payload_bytes);
+          std::memcpy(pool_.metadata(copy), pool_.metadata(id), pool_.format().metadata_bytes);
+          pool_.release(id);
+          table[ref.page] = id = copy;
+        }
+        std::uint64_t* mask = live_mask(pool_.metadata(id));
+        for (std::size_t k = j; k < end; ++k) {
+          if (keep[k] == 0) mask[refs[k].slot / 64] &= ~(std::uint64_t{1} << (refs[k].slot % 64));
+        }
+        stream.dead_page_slots += drops;
+        dropped += drops;
+        emptied = emptied || live_count(mask) == 0;
+      }
+      j = end;
+    }
+    if (emptied) remove_empty_pages(stream, table);
+    stream.live_tokens -= dropped;
+    stored_elements_.fetch_sub(static_cast<std::size_t>(dropped) * (key_dim_ + value_dim_), std::memory_order_relaxed);
+  }
+
+  /// Returns the pages of `table` without a live slot to the pool, keeping the order of the rest.
+  void remove_empty_pages(StreamEviction& stream, std::vector<PageId>& table) noexcept {
+    const index_t page = config_.page_size;
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      if (live_count(live_mask(table[i])) == 0) {
+        pool_.release(table[i]);
+        stream.dead_page_slots -= page;
+        continue;
+      }
+      if (kept != i) {
+        table[kept] = table[i];
+        if constexpr (kKeepsScores) {
+          std::copy_n(stream.page_scores.begin() + static_cast<std::ptrdiff_t>(i) * page, page,
+                      stream.page_scores.begin() + static_cast<std::ptrdiff_t>(kept) * page);
+        }
+      }
+      ++kept;
+    }
+    table.resize(kept);
+    if constexpr (kKeepsScores) stream.page_scores.resize(kept * page);
+  }
+
+  /// Re-encodes the live slots of every run of consecutive pages only this sequence holds into as
+  /// few pages as they fill, in token order, and frees the rest (pages shared with a fork stay as
+  /// they are). Float codecs decode and re-encode exactly; the others re-quantize decoded values.
+  void compact_stream(LayerState& state, index_t layer, index_t s) {
+    std::vector<PageId>& table = state.tables[s];
+    std::size_t first = 0;
+    while (first < table.size()) {
+      if (pool_.ref_count(table[first]) > 1) {
+        ++first;
+        continue;
+      }
+      std::size_t end = first;
+      while (end < table.size() && pool_.ref_count(table[end]) == 1) ++end;
+      first += compact_run(state, layer, s, first, end);
+    }
+  }
+
+  /// compact_stream for pages [first, end) of the table; returns how many pages they became.
+  std::size_t compact_run(LayerState& state, index_t layer, index_t s, std::size_t first, std::size_t end) {
+    std::vector<PageId>& table = state.tables[s];
+    StreamEviction& stream = state.eviction[s];
+    const index_t page = config_.page_size;
+    index_t live = 0;
+    for (std::size_t i = first; i < end; ++i) live += live_count(live_mask(table[i]));
+    const std::size_t pages = static_cast<std::size_t>((live + page - 1) / page);
+    if (pages == end - first) return pages;  // nothing to gain
+
+    // Everything that allocates, before the pages change.
+    std::vector<float> keys(static_cast<std::size_t>(live + page) * key_dim_);
+    std::vector<float> values(static_cast<std::size_t>(live + page) * value_dim_);
+    std::vector<std::int32_t> positions(static_cast<std::size_t>(live));
+    std::vector<float> scores(kKeepsScores ? static_cast<std::size_t>(live) : 0);
+    std::vector<float> decoded_keys(static_cast<std::size_t>(page) * key_dim_);
+    std::vector<float> decoded_values(static_cast<std::size_t>(page) * value_dim_);
+
+    const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+    std::size_t n = 0;
+    for (std::size_t i = first; i < end; ++i) {
+      const std::byte* payload = pool_.payload(table[i]);
+      quantizer_.key.decode(key_geometry(), payload, key_params_[p], decoded_keys.data());
+      quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[p], decoded_values.data());
+      const std::byte* metadata = pool_.metadata(table[i]);
+      const std::uint64_t* mask = live_mask(table[i]);
+      for (index_t t = 0; t < page; ++t) {
+        if (((mask[t / 64] >> (t % 64)) & 1u) == 0) continue;
+        std::copy_n(decoded_keys.begin() + static_cast<std::ptrdiff_t>(t) * key_dim_, key_dim_,
+                    keys.begin() + static_cast<std::ptrdiff_t>(n) * key_dim_);
+        std::copy_n(decoded_values.begin() + static_cast<std::ptrdiff_t>(t) * value_dim_, value_dim_,
+                    values.begin() + static_cast<std::ptrdiff_t>(n) * value_dim_);
+        std::memcpy(&positions[n], metadata + static_cast<std::size_t>(t) * sizeof(std::int32_t), sizeof(std::int32_t));
+        if constexpr (kKeepsScores) scores[n] = stream.page_scores[i * page + t];
+        ++n;
+      }
+    }
+    // The last page's unused slots repeat its last token (dead slots): they leave its scales and
+    // ranges as they are, where zeros would widen them.
+    for (std::size_t t = n; t < pages * page; ++t) {
+      std::copy_n(keys.begin() + static_cast<std::ptrdiff_t>(n - 1) * key_dim_, key_dim_,
+                  keys.begin() + static_cast<std::ptrdiff_t>(t) * key_dim_);
+      std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(n - 1) * value_dim_, value_dim_,
+                  values.begin() + static_cast<std::ptrdiff_t>(t) * value_dim_);
+    }
+    for (std::size_t j = 0; j < pages; ++j) {
+      const PageId id = table[first + j];
+      const std::size_t base = j * page;
+      std::byte* payload = pool_.payload(id);
+      quantizer_.key.encode(key_geometry(), keys.data() + base * key_dim_, key_dim_, key_params_[p], payload);
+      quantizer_.value.encode(value_geometry(), values.data() + base * value_dim_, value_dim_, value_params_[p],
+                              payload + value_plane_offset());
+      write_slot_metadata(
+          pool_.metadata(id), [&](index_t t) { return positions[std::min(base + t, n - 1)]; },
+          [&](index_t t) { return base + t < n; });
+      if constexpr (kKeepsScores) {
+        for (index_t t = 0; t < page; ++t) stream.page_scores[(first + j) * page + t] = base + t < n ? scores[base + t] : 0.0f;
+      }
+    }
+    for (std::size_t i = first + pages; i < end; ++i) pool_.release(table[i]);
+    const auto gone = static_cast<std::ptrdiff_t>(end - first - pages);
+    table.erase(table.begin() + static_cast<std::ptrdiff_t>(first + pages), table.begin() + static_cast<std::ptrdiff_t>(end));
+    if constexpr (kKeepsScores) {
+      stream.page_scores.erase(stream.page_scores.begin() + static_cast<std::ptrdiff_t>((first + pages) * page),
+                               stream.page_scores.begin() + static_cast<std::ptrdiff_t>(end * page));
+    }
+    stream.dead_page_slots -= static_cast<index_t>(gone) * page;
+    return pages;
   }
 
   /// Adds (sign +1) or removes (-1) a sequence's tails, tables and elements from the counters.
@@ -795,7 +1263,14 @@ class KVCache {
       tails += (state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
                state.tail_positions.capacity() * sizeof(std::int32_t);
       for (const auto& table : state.tables) tables += table.capacity() * sizeof(PageId);
-      elements += static_cast<std::size_t>(state.tokens) * streams_ * (key_dim_ + value_dim_);
+      if (state.eviction.empty()) {
+        elements += static_cast<std::size_t>(state.tokens) * streams_ * (key_dim_ + value_dim_);
+      }
+      for (const StreamEviction& stream : state.eviction) {
+        tails += stream.row_live.capacity() + stream.row_scores.capacity() * sizeof(float);
+        tables += stream.page_scores.capacity() * sizeof(float);
+        elements += static_cast<std::size_t>(stream.live_tokens) * (key_dim_ + value_dim_);
+      }
     }
     if (sign > 0) {
       tail_bytes_.fetch_add(tails, std::memory_order_relaxed);

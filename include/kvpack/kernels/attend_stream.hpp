@@ -20,6 +20,15 @@ struct TailView {
   const float* keys = nullptr;    ///< [count][head_dim]
   const float* values = nullptr;  ///< [count][head_dim]
   index_t count = 0;
+  const std::uint8_t* live = nullptr;  ///< [count] 0 for an evicted row, or nullptr: every row live
+};
+
+/// Where attend_stream copies the scaled scores q·k of every slot it reads (-inf for dead ones),
+/// for evictors that rank tokens by the attention they receive: slot t of page i at
+/// i·page_size + t, then tail row r at pages.count·page_size + r.
+struct ScoreRecord {
+  float* scores = nullptr;  ///< [group][stride]
+  index_t stride = 0;
 };
 
 /// Keys stored before RoPE (CacheConfig::key_rope): what attend_stream needs to rotate them.
@@ -111,16 +120,28 @@ struct KernelSet {
   }
 };
 
+/// Copies `count` scores per head from the workspace to `record` at slot `offset`.
+inline void copy_scores(const Workspace& ws, index_t group, index_t count, const ScoreRecord* record,
+                        index_t offset) noexcept {
+  for (index_t h = 0; h < group; ++h) {
+    std::copy_n(ws.scores() + static_cast<std::size_t>(h) * ws.score_stride(), count,
+                record->scores + static_cast<std::size_t>(h) * record->stride + offset);
+  }
+}
+
 /// out[h] = softmax(q[h] · K) V over every live slot of `pages` (its `count` is the whole
 /// stream) and every row of `tail`. `queries` already carry the softmax scale. The workspace
 /// must have been prepared for (group, head_dim, page_size, tail.count). With `key_rope`, keys
 /// (pages and tail) were stored before RoPE and are rotated to their positions as they are read.
+/// With `record`, the scores are copied out before the softmax; the workspace's running maximum
+/// and sum then turn them into probabilities: p = exp(s − max) / sum.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& key_params,
                    const typename ValueCodec::params_type& value_params, const TailView& tail,
                    const float* queries /*[group][head_dim]*/, index_t group,
                    float* out /*[group][head_dim]*/, const Workspace& ws,
-                   const KernelSet<KeyCodec, ValueCodec>& kernels, const KeyRope* key_rope = nullptr) noexcept {
+                   const KernelSet<KeyCodec, ValueCodec>& kernels, const KeyRope* key_rope = nullptr,
+                   const ScoreRecord* record = nullptr) noexcept {
   const index_t head_dim = pages.head_dim;
   std::fill_n(ws.running_max(), group, -std::numeric_limits<float>::infinity());
   std::fill_n(ws.running_sum(), group, 0.0f);
@@ -148,6 +169,7 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
     }
     SoftmaxArgs step = softmax_base;
     step.count = run.count * run.page_size;
+    if (record != nullptr) copy_scores(ws, group, step.count, record, first * pages.page_size);
     softmax(step);
     accumulate({run, value_params, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
   }
@@ -159,8 +181,15 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
     } else {
       kernels.score_rows(tail_rows);
     }
+    if (tail.live != nullptr) {
+      for (index_t r = 0; r < tail.count; ++r) {
+        if (tail.live[r] != 0) continue;
+        for (index_t h = 0; h < group; ++h) ws.scores()[h * ws.score_stride() + r] = -std::numeric_limits<float>::infinity();
+      }
+    }
     SoftmaxArgs step = softmax_base;
     step.count = tail.count;
+    if (record != nullptr) copy_scores(ws, group, tail.count, record, pages.count * pages.page_size);
     softmax(step);
     // The tail is token-major fp32: exactly a Float<float> value plane of `count` rows.
     const std::byte* rows = reinterpret_cast<const std::byte*>(tail.values);

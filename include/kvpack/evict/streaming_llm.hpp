@@ -1,0 +1,45 @@
+#pragma once
+/// \file streaming_llm.hpp
+/// \brief evict::StreamingLLM: the first tokens (attention sinks) and a recent window.
+
+#include <string_view>
+
+#include "kvpack/evict/budget.hpp"
+#include "kvpack/evict/evict_concepts.hpp"
+#include "kvpack/evict/ranking.hpp"
+
+namespace kvpack::inline v0::evict {
+
+/// StreamingLLM (ALGORITHMS.md §8): keeps `sinks` first tokens and the most recent ones up to the
+/// budget, after every write. Positions: the slots keep the positions they were written with, so
+/// keys stored after RoPE stay exactly as the model rotated them (the "prefill-only" variant of
+/// §8.2); the original method's re-rotation to in-cache indices is not done here — callers who want
+/// it store keys before RoPE and pass in-cache positions themselves.
+template <Budget B = Uniform>
+struct StreamingLLM {
+  static constexpr std::string_view kName = "streaming_llm";
+  static constexpr bool kNeedsScores = false;
+  static constexpr bool kDropsTokens = true;
+  static constexpr bool kUsesObservation = false;
+  static constexpr bool kEvictsOnAppend = true;
+
+  index_t sinks = 4;               ///< first tokens always kept (the exact prefix counts towards them)
+  B budget{Uniform{4 + 512}};      ///< tokens kept per KV stream: sinks + recent window
+
+  [[nodiscard]] index_t capacity(index_t layer, index_t layers, index_t context) const noexcept {
+    return budget.capacity(layer, layers, context, sinks);
+  }
+  [[nodiscard]] GroupReduce reduce() const noexcept { return GroupReduce::kMean; }
+  void validate() const {
+    KVPACK_CHECK(sinks >= 0, kInvalidConfig, detail::message("evict::StreamingLLM.sinks must be >= 0, got ", sinks));
+    budget.validate(sinks);
+  }
+  void choose(const StreamTokens& tokens, std::span<std::uint8_t> keep) const {
+    const index_t first = std::max<index_t>(0, sinks - tokens.exact_prefix);
+    const index_t recent = std::max<index_t>(0, tokens.capacity - first);
+    ranking::keep_fixed(tokens, first, recent, keep);
+  }
+  friend constexpr bool operator==(const StreamingLLM&, const StreamingLLM&) = default;
+};
+
+}  // namespace kvpack::inline v0::evict
