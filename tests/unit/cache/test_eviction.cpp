@@ -308,3 +308,191 @@ TEST_CASE("H2O frees memory and attention reads only the kept tokens, for every 
 TEST_CASE("SnapKV frees memory and attention reads only the kept tokens, for every codec", "[evict][cache]") {
   check_every_codec<evict::SnapKV<>>();
 }
+
+namespace {
+
+/// Appends `count` random tokens to layer 0 from position `first`, attending with `q` before
+/// each when given.
+template <class Cache>
+void decode(Cache& cache, SeqId seq, index_t first, index_t count, std::uint32_t seed,
+            const std::vector<float>* q = nullptr) {
+  std::vector<float> out(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
+  for (index_t t = 0; t < count; ++t) {
+    if (q != nullptr) cache.attend(seq, 0, std::span<const float>(*q), std::span<float>(out), 0.125f);
+    const auto k = test::random_rows(kShape.kv_heads, kShape.head_dim, seed + 2 * t);
+    const auto v = test::random_rows(kShape.kv_heads, kShape.head_dim, seed + 2 * t + 1);
+    cache.append(seq, 0, std::span<const float>(k), std::span<const float>(v), first + t);
+  }
+}
+
+std::vector<std::int32_t> positions_of(const StoredTokens& stored) { return stored.positions; }
+
+}  // namespace
+
+TEST_CASE("eviction in a fork copies shared pages and leaves the parent as it was", "[evict][cache]") {
+  using Cache = KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>>;
+  Cache cache(kShape, {}, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{96}});
+  const SeqId parent = cache.add_sequence();
+  decode(cache, parent, 0, 90, 1);  // under the budget: nothing dropped
+  const StoredTokens before = cache.read_back(parent, 0, 1);
+  const SeqId child = cache.fork(parent);
+  decode(cache, child, 90, 70, 500);  // the child drops 64 of its shared tokens
+  CHECK(cache.live_tokens(child, 0, 1) == 96);
+  CHECK(cache.live_tokens(parent, 0, 1) == 90);
+  const StoredTokens after = cache.read_back(parent, 0, 1);
+  CHECK(after.positions == before.positions);
+  CHECK(after.keys == before.keys);
+  CHECK(after.values == before.values);
+  const auto child_positions = positions_of(cache.read_back(child, 0, 1));
+  CHECK(child_positions.front() == 0);
+  CHECK(child_positions[4] == 160 - 92);
+  cache.release(parent);
+  cache.release(child);
+  CHECK(cache.memory().pages_in_use == 0);
+  CHECK(cache.memory().total() == 0);
+}
+
+TEST_CASE("pinned spans and the exact prefix are never dropped", "[evict][cache]") {
+  CacheConfig config;
+  config.exact_prefix_tokens = 2;
+  KVCache<layout::GQA, quant::Float<half>, evict::H2O<>> cache(kShape, config, {}, {}, [] {
+    evict::H2O<> h2o;
+    h2o.budget.tokens = 64;
+    return h2o;
+  }());
+  const SeqId seq = cache.add_sequence();
+  cache.pin(seq, 100, 109);
+  CHECK_THROWS_AS(cache.pin(seq, 5, 4), Error);
+  const std::size_t rows = 400 * static_cast<std::size_t>(kShape.kv_heads);
+  const auto keys = test::random_rows(rows, kShape.head_dim, 3);
+  const auto values = test::random_rows(rows, kShape.head_dim, 4);
+  const auto observation = test::random_rows(8 * static_cast<std::size_t>(kShape.q_heads), kShape.head_dim, 5);
+  cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values), std::span<const float>(observation));
+  decode(cache, seq, 400, 50, 900);
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    const auto kept = positions_of(cache.read_back(seq, 0, s));
+    CHECK(kept.size() == 64);
+    CHECK(kept[0] == 0);
+    CHECK(kept[1] == 1);
+    for (std::int32_t p = 100; p <= 109; ++p) CHECK(std::count(kept.begin(), kept.end(), p) == 1);
+  }
+}
+
+TEST_CASE("rows dropped in the tail window never become pages", "[evict][cache]") {
+  CacheConfig config;
+  config.tail_tokens = 64;
+  KVCache<layout::GQA, quant::Q4_0, evict::StreamingLLM<>> cache(kShape, config, {}, {},
+                                                                 evict::StreamingLLM<>{4, evict::Uniform{36}});
+  const SeqId seq = cache.add_sequence();
+  decode(cache, seq, 0, 500, 7);
+  // 36 live tokens: the 4 sinks share a page with dead slots; the window lives in the tail.
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    CHECK(cache.live_tokens(seq, 0, s) == 36);
+    CHECK(cache.pages(seq, 0, s).size() <= 2);
+  }
+  const auto q = test::random_rows(kShape.q_heads, kShape.head_dim, 8);
+  std::vector<float> out(q.size());
+  cache.attend(seq, 0, std::span<const float>(q), std::span<float>(out), 0.125f);
+  CHECK(relative_error(out, exact_over_read_back(cache, seq, q, 0.125)) <= 3e-2);
+}
+
+TEST_CASE("H2O keeps the token decode queries keep attending to", "[evict][cache]") {
+  evict::H2O<> h2o;
+  h2o.budget.tokens = 32;
+  KVCache<layout::GQA, quant::Float<float>, evict::H2O<>> cache(kShape, {}, {}, {}, h2o);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t rows = 64 * static_cast<std::size_t>(kShape.kv_heads);
+  const auto keys = test::random_rows(rows, kShape.head_dim, 21);
+  const auto values = test::random_rows(rows, kShape.head_dim, 22);
+  cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+  // Prefill without observation queries: all scores are 0, so the ties keep positions 0–15 (and
+  // the recent 48–63); decode queries then aim at token 10, which must outlive its neighbours.
+  const index_t heavy = 10;
+  const auto q = query_at(keys, heavy);
+  decode(cache, seq, 64, 200, 300, &q);
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    const auto kept = positions_of(cache.read_back(seq, 0, s));
+    CHECK(kept.size() == 32);
+    CHECK(std::count(kept.begin(), kept.end(), heavy) == 1);
+    CHECK(std::count_if(kept.begin(), kept.end(), [](std::int32_t p) { return p < 64; }) < 16);
+  }
+}
+
+TEST_CASE("compaction re-quantizes at most once more: error within twice the codec's own", "[evict][cache]") {
+  // H2O with scattered scores leaves sparse pages, which compaction re-encodes.
+  auto check = [](auto quantizer) {
+    using Q = decltype(quantizer);
+    INFO(Q::key_codec::kName);
+    evict::H2O<> h2o;
+    h2o.budget.tokens = 100;
+    KVCache<layout::GQA, Q, evict::H2O<>> cache(kShape, {}, quantizer, {}, h2o);
+    KVCache<layout::GQA, Q> full(kShape);
+    const SeqId seq = cache.add_sequence();
+    const SeqId twin = full.add_sequence();
+    const std::size_t rows = 1024 * static_cast<std::size_t>(kShape.kv_heads);
+    const auto keys = test::random_rows(rows, kShape.head_dim, 31, 4, 5.0f);
+    const auto values = test::random_rows(rows, kShape.head_dim, 32);
+    const auto observation = test::random_rows(32 * static_cast<std::size_t>(kShape.q_heads), kShape.head_dim, 33);
+    cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values), std::span<const float>(observation));
+    full.prefill(twin, 0, std::span<const float>(keys), std::span<const float>(values));
+    for (index_t s = 0; s < kShape.kv_heads; ++s) {
+      CHECK(static_cast<index_t>(cache.pages(seq, 0, s).size()) <= 2 * 100 / 32 + 1);
+      const StoredTokens kept = cache.read_back(seq, 0, s);
+      const StoredTokens all = full.read_back(twin, 0, s);
+      double compacted = 0.0, once = 0.0;
+      for (index_t i = 0; i < kept.size(); ++i) {
+        const std::int32_t p = kept.positions[i];
+        for (index_t c = 0; c < kShape.head_dim; ++c) {
+          const std::size_t input = (static_cast<std::size_t>(p) * kShape.kv_heads + s) * kShape.head_dim + c;
+          const std::size_t at_kept = static_cast<std::size_t>(i) * kShape.head_dim + c;
+          const std::size_t at_all = static_cast<std::size_t>(p) * kShape.head_dim + c;
+          compacted += std::pow(kept.values[at_kept] - values[input], 2) + std::pow(kept.keys[at_kept] - keys[input], 2);
+          once += std::pow(all.values[at_all] - values[input], 2) + std::pow(all.keys[at_all] - keys[input], 2);
+        }
+      }
+      INFO("rms error after compaction " << std::sqrt(compacted) << ", of one quantization " << std::sqrt(once));
+      CHECK(std::sqrt(compacted) <= 2.0 * std::sqrt(once) + 1e-6);
+    }
+  };
+  check(quant::Float<half>{});
+  check(quant::Int8{});
+  check(quant::Q8_0{});
+  check(quant::Q4_0{});
+  check(quant::KIVI<4>{});
+  check(quant::KIVI<2>{});
+}
+
+TEST_CASE("with the pool exhausted, eviction in a fork keeps shared tokens and fails nothing", "[evict][cache]") {
+  CacheConfig config;
+  config.max_pages = 12;
+  KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> cache(kShape, config, {}, {},
+                                                                 evict::StreamingLLM<>{4, evict::Uniform{64}});
+  const SeqId parent = cache.add_sequence();
+  decode(cache, parent, 0, 64, 1);  // 2 pages per stream: 4 pages
+  const SeqId child = cache.fork(parent);
+  // 8 more pages fill the pool; the copies eviction needs do not fit, so nothing shared dies.
+  decode(cache, child, 64, 128, 77);
+  CHECK(cache.memory().pages_in_use <= 12);
+  CHECK(cache.live_tokens(child, 0, 0) >= 64);
+  CHECK(positions_of(cache.read_back(parent, 0, 0)).size() == 64);
+  cache.release(child);
+  cache.release(parent);
+  CHECK(cache.memory().total() == 0);
+}
+
+TEST_CASE("evictors work on keys stored before RoPE", "[evict][cache]") {
+  CacheConfig config;
+  config.key_rope = RopeSpec{};
+  KVCache<layout::GQA, quant::Q8_0, evict::SnapKV<>> cache(kShape, config, {}, {}, make_evictor<evict::SnapKV<>>());
+  const SeqId seq = cache.add_sequence();
+  const std::size_t rows = static_cast<std::size_t>(kPrompt) * kShape.kv_heads;
+  const auto keys = test::random_rows(rows, kShape.head_dim, 41);
+  const auto values = test::random_rows(rows, kShape.head_dim, 42);
+  const auto observation = test::random_rows(static_cast<std::size_t>(kWindow) * kShape.q_heads, kShape.head_dim, 43);
+  cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values), std::span<const float>(observation));
+  CHECK(cache.live_tokens(seq, 0, 0) == kBudget);
+  const auto q = test::random_rows(kShape.q_heads, kShape.head_dim, 44);
+  std::vector<float> out(q.size());
+  cache.attend(seq, 0, std::span<const float>(q), std::span<float>(out), 0.125f);
+  CHECK(relative_error(out, exact_over_read_back(cache, seq, q, 0.125)) <= 3e-2);
+}
