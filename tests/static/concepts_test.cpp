@@ -53,6 +53,10 @@ static_assert(!quant::CalibratedCodec<quant::Q8_0::key_codec>);
 static_assert(!quant::CalibratedCodec<quant::Float<float>::key_codec>);
 
 static_assert(evict::Evictor<evict::KeepAll>);
+static_assert(evict::Evictor<evict::StreamingLLM<>>);
+static_assert(evict::Evictor<evict::H2O<evict::Pyramid>>);
+static_assert(evict::Evictor<evict::SnapKV<evict::Pyramid>>);
+static_assert(evict::Budget<evict::Uniform> && evict::Budget<evict::Pyramid>);
 static_assert(select::PageSelector<select::DenseRead>);
 
 // Policies are not interchangeable across axes.
@@ -199,6 +203,13 @@ struct MockEvictor<Break::kWrongType> : MockEvictor<Break::kMissing> {
   static constexpr std::string_view kDropsTokens = "no";
 };
 static_assert(evict::Evictor<MockEvictor<Break::kNothing>>);
+// An evictor that drops tokens must also say how many to keep and which.
+struct MockDroppingEvictorWithoutChoice : MockEvictor<Break::kMissing> {
+  static constexpr bool kDropsTokens = true;
+  static constexpr bool kUsesObservation = false;
+  static constexpr bool kEvictsOnAppend = true;
+};
+static_assert(!evict::Evictor<MockDroppingEvictorWithoutChoice>);
 static_assert(!evict::Evictor<MockEvictor<Break::kMissing>>);
 static_assert(!evict::Evictor<MockEvictor<Break::kWrongType>>);
 

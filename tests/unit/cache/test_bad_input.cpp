@@ -439,6 +439,8 @@ TEMPLATE_TEST_CASE("bad input: an unknown sequence", "[cache][bad-input]", KVPAC
   expect_rejected(b, [&] { (void)b.cache.last_position(never, 0); }, ErrorCode::kUnknownSequence, "last_position");
   expect_rejected(b, [&] { (void)b.cache.read_back(never, 0, 0); }, ErrorCode::kUnknownSequence, "read_back");
   expect_rejected(b, [&] { (void)b.cache.pages(never, 0, 0); }, ErrorCode::kUnknownSequence, "pages");
+  expect_rejected(b, [&] { b.cache.pin(never, 0, 1); }, ErrorCode::kUnknownSequence, "pin: sequence 12345");
+  expect_rejected(b, [&] { (void)b.cache.live_tokens(never, 0, 0); }, ErrorCode::kUnknownSequence, "live_tokens");
   // Ids are never reused: 0 was never issued, and the next id is not yet.
   expect_rejected(b, [&] { (void)b.cache.length(0, 0); }, ErrorCode::kUnknownSequence, "sequence 0 is unknown");
   expect_rejected(b, [&] { (void)b.cache.length(b.empty + 1, 0); }, ErrorCode::kUnknownSequence, "sequence 5 is unknown");
@@ -557,6 +559,46 @@ TEST_CASE("bad input: invalid configuration values", "[cache][bad-input]") {
     expect_config_rejected(kShape, valid, ErrorCode::kInvalidConfig, "FP8Options.static_scale must be finite and > 0",
                            quant::FP8<quant::E4M3FN>(fixed));
   }
+}
+
+TEMPLATE_TEST_CASE("bad input: a pinned span that is empty or starts before position 0", "[cache][bad-input]",
+                   KVPACK_BAD_INPUT_CODECS) {
+  Bench<TestType> b;
+  expect_rejected(b, [&] { b.cache.pin(b.target, 9, 8); }, ErrorCode::kInvalidArgument,
+                  "pin: need 0 <= first <= last, got [9, 8]");
+  expect_rejected(b, [&] { b.cache.pin(b.target, -1, 8); }, ErrorCode::kInvalidArgument,
+                  "pin: need 0 <= first <= last, got [-1, 8]");
+}
+
+namespace {
+
+template <class Evictor>
+void expect_evictor_rejected(const Evictor& evictor, const std::string& text) {
+  try {
+    KVCache<layout::GQA, quant::Float<half>, Evictor> cache(kShape, {}, {}, {}, evictor);
+    FAIL("accepted: " << text);
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.code() == ErrorCode::kInvalidConfig);
+    CHECK(std::string(e.what()).find(text) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bad input: evictor options that cannot work", "[cache][bad-input]") {
+  expect_evictor_rejected(evict::StreamingLLM<>{-1, evict::Uniform{64}}, "evict::StreamingLLM.sinks must be >= 0, got -1");
+  expect_evictor_rejected(evict::StreamingLLM<>{8, evict::Uniform{8}},
+                          "evict::Uniform.tokens (8) must exceed the evictor's window (8)");
+  evict::H2O<> h2o;
+  h2o.recent_fraction = 1.5;
+  expect_evictor_rejected(h2o, "evict::H2O.recent_fraction must be in [0, 1], got 1.5");
+  evict::SnapKV<> snapkv;
+  snapkv.kernel = 4;
+  expect_evictor_rejected(snapkv, "evict::SnapKV needs window >= 0 and an odd kernel >= 1, got window 32 and kernel 4");
+  evict::SnapKV<evict::Pyramid> pyramid;
+  pyramid.budget.beta = 0;
+  expect_evictor_rejected(pyramid, "evict::Pyramid needs tokens (1024) > the evictor's window (32) and beta >= 1 (0)");
 }
 
 TEST_CASE("bad input: an inconsistent model shape", "[cache][bad-input]") {

@@ -229,6 +229,9 @@ class DeviceLayer {
 template <class Layout, class Quantizer, class Evictor, class Selector>
 DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> mirror_layer(
     const KVCache<Layout, Quantizer, Evictor, Selector>& cache, SeqId seq, index_t layer, DevicePagePool& pool) {
+  static_assert(!Evictor::kDropsTokens,
+                "mirror_layer: the CUDA kernels do not read live-slot masks yet, so a cache whose evictor "
+                "drops tokens cannot be mirrored");
   KVPACK_CHECK(!cache.config().key_rope, kUnsupported,
                "mirror_layer: keys stored before RoPE (CacheConfig::key_rope) are not supported by the CUDA backend yet");
   KVPACK_CHECK(pool.format().payload_bytes == cache.page_format_info().payload_bytes, kInvalidArgument,
