@@ -126,7 +126,9 @@ inline constexpr index_t kBoundLanes = 16;
       lanes[j] = std::max(lanes[j], std::max(std::fabs(min[c + j]), std::fabs(max[c + j])));
     }
   }
-  for (index_t j = 0; c < head_dim; ++c, ++j) lanes[j] = std::max(lanes[j], std::max(std::fabs(min[c]), std::fabs(max[c])));
+  for (index_t j = 0; j < kBoundLanes && c + j < head_dim; ++j) {
+    lanes[j] = std::max(lanes[j], std::max(std::fabs(min[c + j]), std::fabs(max[c + j])));
+  }
   float out = 0.0f;
   for (float lane : lanes) out = std::max(out, lane);
   return out;
@@ -143,7 +145,9 @@ inline constexpr index_t kBoundLanes = 16;
       lanes[j] += q * (q >= 0.0f ? max[c + j] : min[c + j]);
     }
   }
-  for (index_t j = 0; c < head_dim; ++c, ++j) lanes[j] += query[c] * (query[c] >= 0.0f ? max[c] : min[c]);
+  for (index_t j = 0; j < kBoundLanes && c + j < head_dim; ++j) {
+    lanes[j] += query[c + j] * (query[c + j] >= 0.0f ? max[c + j] : min[c + j]);
+  }
   for (index_t width = kBoundLanes / 2; width >= 1; width /= 2) {
     for (index_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   }
@@ -156,7 +160,7 @@ inline constexpr index_t kBoundLanes = 16;
   for (; c + kBoundLanes <= n; c += kBoundLanes) {
     for (index_t j = 0; j < kBoundLanes; ++j) lanes[j] += std::fabs(x[c + j]);
   }
-  for (index_t j = 0; c < n; ++c, ++j) lanes[j] += std::fabs(x[c]);
+  for (index_t j = 0; j < kBoundLanes && c + j < n; ++j) lanes[j] += std::fabs(x[c + j]);
   for (index_t width = kBoundLanes / 2; width >= 1; width /= 2) {
     for (index_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   }
