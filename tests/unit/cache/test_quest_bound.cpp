@@ -47,19 +47,19 @@ Box brute_box(const std::vector<float>& keys, index_t page_size, index_t d, cons
 }
 
 /// Σ_c max(q_c·min_c, q_c·max_c) in double, and the rounding allowance quest.hpp may add on top
-/// (it promises at most ~2^-20·Σ|q|·max|k| for head_dim 128; 1e-5 leaves room for every d here).
+/// (about 2^-19·max|q|·Σ(|min| + |max|) for head_dim 128; 1e-5 leaves room for every d here).
 double box_bound(const float* q, const float* min, const float* max, index_t d) {
   double s = 0.0;
   for (index_t c = 0; c < d; ++c) s += std::max(static_cast<double>(q[c]) * min[c], static_cast<double>(q[c]) * max[c]);
   return s;
 }
 double allowance(const float* q, const float* min, const float* max, index_t d) {
-  double q_abs = 0.0, k_abs = 0.0;
+  double q_max = 0.0, k_abs = 0.0;
   for (index_t c = 0; c < d; ++c) {
-    q_abs += std::fabs(q[c]);
-    k_abs = std::max({k_abs, static_cast<double>(std::fabs(min[c])), static_cast<double>(std::fabs(max[c]))});
+    q_max = std::max(q_max, static_cast<double>(std::fabs(q[c])));
+    k_abs += std::fabs(min[c]) + std::fabs(max[c]);
   }
-  return 1e-5 * q_abs * k_abs;
+  return 1e-5 * q_max * k_abs;
 }
 
 std::vector<std::uint64_t> mask_of(const std::vector<bool>& slots) {
@@ -240,6 +240,39 @@ TEST_CASE("Quest group bounds: per head as page_upper_bound, aggregated by max o
   }
   CHECK_THROWS_AS(select::group_page_bounds(std::span<const float>(queries).first(d), group, d, pointers, {}, page_max),
                   Error);
+}
+
+TEST_CASE("Quest bound: every compiled variant (AVX-512, AVX2, the file's own flags) is certified", "[quest][select]") {
+  select::detail::for_each_page_bounds_variant([&](const char* name, select::detail::PageBoundsFunction bounds_of) {
+    for (const index_t d : {8, 40, 100, 128}) {
+      for (const index_t group : {1, 3, 4, 5}) {
+        const index_t pages = 9, page_size = 16;
+        std::vector<std::vector<float>> keys(pages), summaries(pages, std::vector<float>(2 * d));
+        std::vector<const float*> pointers(pages);
+        for (index_t p = 0; p < pages; ++p) {
+          keys[p] = test::random_rows(page_size, d, 800 + p, 3, 12.0f);
+          select::summarize_page(keys[p].data(), nullptr, page_size, d, summaries[p].data(), summaries[p].data() + d);
+          pointers[p] = summaries[p].data();
+        }
+        std::vector<float> queries = test::random_rows(group, d, 900 + d);
+        for (index_t c = 0; c < d; c += 3) queries[c] = -std::fabs(queries[c]) * 4.0f;
+        std::vector<float> head_bounds(static_cast<std::size_t>(group) * pages), page_bounds(pages);
+        bounds_of(queries.data(), group, d, pointers.data(), pages, head_bounds.data(), page_bounds.data(),
+                  select::GroupBound::kMax);
+        for (index_t h = 0; h < group; ++h) {
+          const float* q = queries.data() + h * d;
+          for (index_t p = 0; p < pages; ++p) {
+            const double exact = box_bound(q, pointers[p], pointers[p] + d, d);
+            const float u = head_bounds[h * pages + p];
+            INFO(name << " d=" << d << " group " << group << " head " << h << " page " << p);
+            CHECK(u >= exact);
+            CHECK(u <= exact + allowance(q, pointers[p], pointers[p] + d, d));
+            for (index_t t = 0; t < page_size; ++t) CHECK(static_cast<double>(u) >= dot(q, keys[p].data() + t * d, d));
+          }
+        }
+      }
+    }
+  });
 }
 
 TEST_CASE("Quest top-k matches a stable sort, ties to the lower page, in page order", "[quest][select]") {
