@@ -202,7 +202,15 @@ KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index
       }
     }
   };
+  // Summaries sit in page metadata, one pointer each: the hardware prefetcher cannot follow
+  // them, so fetch a few pages ahead while this one is scored.
+  constexpr std::size_t kAhead = 8;
+  const std::size_t summary_bytes = 2 * static_cast<std::size_t>(head_dim) * sizeof(float);
   for (std::size_t p = 0; p < pages; ++p) {
+    if (p + kAhead < pages) {
+      const char* next = reinterpret_cast<const char*>(summaries[p + kAhead]);
+      for (std::size_t line = 0; line < summary_bytes; line += 64) __builtin_prefetch(next + line);
+    }
     const float* summary = summaries[p];
     V acc[kHeads][kAcc][kParts] = {};
     V abs_acc[kAcc][kParts] = {};
