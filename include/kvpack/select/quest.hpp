@@ -169,7 +169,7 @@ KVPACK_QUEST_INLINE float bound_rounding(index_t head_dim) noexcept {
 /// hide the FMA latency while the page's summary block is loaded once for all of them.
 inline constexpr index_t kHeadTile = 4;
 /// Floats of the split queries kept on the stack; larger groups are scored in several passes.
-inline constexpr index_t kPreparedFloats = 8192;
+inline constexpr index_t kPreparedFloats = 4096;
 /// Query heads group_page_bounds takes at most (GQA groups are 1–16).
 inline constexpr index_t kMaxGroup = 64;
 /// Channels the split query of one head may have on the stack.
@@ -249,17 +249,17 @@ KVPACK_QUEST_INLINE void page_bounds_body(const float* queries, index_t group, i
   const index_t blocks = (2 * head_dim + kLanes - 1) / kLanes;
   const index_t stride = blocks * kLanes;
   const index_t heads_per_pass = std::max<index_t>(1, std::min<index_t>(group, kPreparedFloats / stride));
-  float prepared[kPreparedFloats];
-  float bounds[kHeadTile * 256];   // [kHeadTile][chunk] per-head bounds of a chunk of pages
-  float summary_abs[256];          // [chunk] Σ|summary|
-  float query_max[kMaxGroup];      // max_c |q_c| per head
+  constexpr std::size_t kChunk = 256;  // pages per pass over the tiles: their summaries stay in L2
+  float prepared[kPreparedFloats];     // [heads_per_pass][stride] split queries, 16 KiB
+  float bounds[kHeadTile * kChunk];    // [kHeadTile][chunk] per-head bounds of a chunk of pages
+  float summary_abs[kChunk];           // [chunk] Σ|summary|
+  float query_max[kMaxGroup];          // max_c |q_c| per head
   const float allowance = bound_rounding(head_dim);
   for (index_t h = 0; h < group; ++h) {
     float m = 0.0f;
     for (index_t c = 0; c < head_dim; ++c) m = std::max(m, std::fabs(queries[static_cast<std::size_t>(h) * head_dim + c]));
     query_max[h] = m;
   }
-  constexpr std::size_t kChunk = 256;  // pages per pass over the tiles: summaries stay in L1/L2
   for (std::size_t first = 0; first < pages; first += kChunk) {
     const std::size_t count = std::min(kChunk, pages - first);
     for (std::size_t p = 0; p < count; ++p) {
@@ -267,7 +267,9 @@ KVPACK_QUEST_INLINE void page_bounds_body(const float* queries, index_t group, i
     }
     for (index_t pass = 0; pass < group; pass += heads_per_pass) {
       const index_t pass_heads = std::min(heads_per_pass, group - pass);
-      for (index_t h = 0; h < pass_heads; ++h) {
+      // With one pass (every head fits), the split queries of the first chunk serve them all.
+      const bool prepared_already = first > 0 && heads_per_pass >= group;
+      for (index_t h = 0; h < pass_heads && !prepared_already; ++h) {
         const float* q = queries + static_cast<std::size_t>(pass + h) * head_dim;
         float* row = prepared + static_cast<std::size_t>(h) * stride;
         for (index_t c = 0; c < head_dim; ++c) {
@@ -376,7 +378,7 @@ void for_each_page_bounds_variant(Visitor&& visit) {
 /// group_page_bounds, so both give the same bits on one machine (FMA or not: the last bits may
 /// differ between instruction sets; every one is certified).
 /// \param query [head_dim], the softmax scale already applied (then U bounds the scaled score)
-/// \throws kvpack::Error (kUnsupported) when head_dim exceeds 4096 (1024 with min and max apart),
+/// \throws kvpack::Error (kUnsupported) when head_dim exceeds 2048 (1024 with min and max apart),
 ///         or on the first call when KVPACK_ISA names a target this CPU lacks
 [[nodiscard]] inline float page_upper_bound(const float* query, const float* min /*[head_dim]*/,
                                             const float* max /*[head_dim]*/, index_t head_dim) {

@@ -245,8 +245,10 @@ TEST_CASE("Quest group bounds: per head as page_upper_bound, aggregated by max o
 TEST_CASE("Quest bound: every compiled variant (AVX-512, AVX2, the file's own flags) is certified", "[quest][select]") {
   select::detail::for_each_page_bounds_variant([&](const char* name, select::detail::PageBoundsFunction bounds_of) {
     for (const index_t d : {8, 40, 100, 128}) {
-      for (const index_t group : {1, 3, 4, 5}) {
-        const index_t pages = 9, page_size = 16;
+      // Groups past one pass of split queries (16 heads at d = 128), pages past one chunk (256).
+      for (const index_t group : {1, 3, 4, 5, 20}) {
+        const index_t pages = d == 100 || (d == 128 && group == 20) ? 300 : 9;
+        const index_t page_size = 16;
         std::vector<std::vector<float>> keys(pages), summaries(pages, std::vector<float>(2 * d));
         std::vector<const float*> pointers(pages);
         for (index_t p = 0; p < pages; ++p) {
