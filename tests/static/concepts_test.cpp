@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "kvpack/kvpack.hpp"
+#include "kvpack/select/quest.hpp"
 
 // A named namespace, not an anonymous one: clang flags unused friends of internal types.
 namespace kvpack::inline v0::static_tests {
@@ -58,6 +59,8 @@ static_assert(evict::Evictor<evict::H2O<evict::Pyramid>>);
 static_assert(evict::Evictor<evict::SnapKV<evict::Pyramid>>);
 static_assert(evict::Budget<evict::Uniform> && evict::Budget<evict::Pyramid>);
 static_assert(select::PageSelector<select::DenseRead>);
+static_assert(select::PageSelector<select::Quest>);
+static_assert(!evict::Evictor<select::Quest>);
 
 // Policies are not interchangeable across axes.
 static_assert(!quant::Quantizer<quant::Q8_0::key_codec>);

@@ -1,0 +1,465 @@
+#pragma once
+/// \file quest.hpp
+/// \brief select::Quest (Tang et al., ICML 2024; ALGORITHMS.md §10): per-page channel min/max
+///        summaries, the page upper bound Σ_c max(q_c·min_c, q_c·max_c), and top-k page selection
+///        per KV head under a token budget.
+///
+/// Pieces, in the order a decode step uses them:
+/// - at encode time, `summarize_page` over the page's keys *as decoded* (DESIGN.md §2), so the
+///   bound holds for what the kernel reads, not for the keys before quantization;
+/// - per step and KV head, `group_page_bounds` scores every page for the g query heads of the
+///   group and aggregates them (max by default);
+/// - `select_top_pages` keeps the `Quest::pages_to_read` best pages, in page (token) order, so
+///   attention reads the selected pages like a shorter stream (kernels::PageRun).
+/// The full-precision tail is not a page: it is always read.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string_view>
+
+#include "kvpack/error.hpp"
+#include "kvpack/kernels/cpu/isa.hpp"
+#include "kvpack/select/select_concepts.hpp"
+
+namespace kvpack::inline v0::select {
+
+/// How the g query heads of a GQA group combine their page bounds into one ranking per KV head
+/// (pages are per KV head, so the group reads one set of pages).
+enum class GroupBound : std::uint8_t {
+  kMax,   ///< max over the group: a page any head may need ranks high, and the value stays an
+          ///< upper bound of q_h·k for every head h of the group
+  kMean,  ///< mean over the group (ranks like the sum; kvpress's choice for eviction scores);
+          ///< not an upper bound for any single head
+};
+
+/// The Quest page selector: reads the `pages_to_read` pages with the largest upper bound.
+struct Quest {
+  static constexpr std::string_view kName = "quest";
+  static constexpr bool kReadsAllPages = false;
+
+  /// Tokens read per KV head per step (pages × page_size, the tail not counted). The paper's
+  /// passkey table (ALGORITHMS.md §10.4) reaches 100 % at 100K context from 2048 tokens per head;
+  /// here one page set serves the g heads of a GQA group, whose needs overlap only partly, so the
+  /// default doubles that: 4096, the budget of the spec's traffic example (64K → 8× less).
+  index_t token_budget = 4096;
+  /// Layers [0, dense_layers) read every page (the reference keeps layers 0 and 1 dense).
+  index_t dense_layers = 2;
+  /// Pages read at least, whatever the budget (the reference's K = max(3, budget / page)).
+  index_t min_pages = 3;
+  GroupBound group_bound = GroupBound::kMax;
+
+  /// Per-channel min and max as fp32 (2·head_dim floats): exact for every decoded key, so the
+  /// bound needs no rounding allowance for the summary itself.
+  [[nodiscard]] std::size_t summary_bytes(index_t /*page_size*/, index_t head_dim) const noexcept {
+    return 2 * static_cast<std::size_t>(head_dim > 0 ? head_dim : 0) * sizeof(float);
+  }
+
+  /// \throws kvpack::Error (kInvalidConfig) on a negative budget, layer count or page minimum.
+  void validate() const {
+    KVPACK_CHECK(token_budget >= 0 && dense_layers >= 0 && min_pages >= 0, kInvalidConfig,
+                 kvpack::detail::message("select::Quest: token_budget (", token_budget, "), dense_layers (",
+                                 dense_layers, ") and min_pages (", min_pages, ") must be >= 0"));
+  }
+
+  /// Whether `layer` reads every page.
+  [[nodiscard]] bool reads_densely(index_t layer) const noexcept { return layer < dense_layers; }
+
+  /// K = min(max(min_pages, token_budget / page_size), page_count): pages read per KV head.
+  [[nodiscard]] index_t pages_to_read(index_t page_count, index_t page_size) const noexcept {
+    const index_t by_budget = token_budget / std::max<index_t>(page_size, 1);
+    return std::clamp<index_t>(std::max(min_pages, by_budget), 0, std::max<index_t>(page_count, 0));
+  }
+
+  friend constexpr bool operator==(const Quest&, const Quest&) noexcept = default;
+};
+static_assert(PageSelector<Quest>);
+
+/// Summarises one page: min_out[c] and max_out[c] over the page's written slots.
+///
+/// Summarise *every slot written at encode time*, not only the live ones: a slot evicted later
+/// keeps its key inside the summary, so the bound stays valid for evicted tokens too (which the
+/// certified unread-mass bound, unread_bound.hpp, relies on). A page with no written slot gets
+/// the empty box (min = +inf, max = -inf), for which the bound is -inf.
+/// Keys are finite (the cache checks inputs; decoders of finite inputs give finite keys); a NaN
+/// key makes the summary unspecified.
+/// \param keys    [page_size][head_dim] decoded keys
+/// \param written [(page_size + 63) / 64] bitmask of slots written, bit t of word t / 64; nullptr
+///                when every slot was written
+inline void summarize_page(const float* keys, const std::uint64_t* written, index_t page_size,
+                           index_t head_dim, float* min_out /*[head_dim]*/,
+                           float* max_out /*[head_dim]*/) noexcept {
+  std::fill_n(min_out, head_dim, std::numeric_limits<float>::infinity());
+  std::fill_n(max_out, head_dim, -std::numeric_limits<float>::infinity());
+  for (index_t t = 0; t < page_size; ++t) {
+    if (written != nullptr && ((written[t / 64] >> (t % 64)) & 1u) == 0) continue;
+    const float* key = keys + static_cast<std::size_t>(t) * head_dim;
+    for (index_t c = 0; c < head_dim; ++c) {
+      min_out[c] = std::min(min_out[c], key[c]);
+      max_out[c] = std::max(max_out[c], key[c]);
+    }
+  }
+}
+
+namespace detail {
+
+// The bound's loops are written once (always inlined) and compiled three times: for AVX-512,
+// for AVX2+FMA (function-level target attributes, so nothing else in the including file changes
+// ISA), and for the including file's own flags. Scoring reads 2·head_dim floats per page for g
+// heads; without 8- or 16-wide FMAs it runs under the memory speed and would eat the time Quest
+// saves. NOTE(quest): the same choice as the attention kernels (kernels::cpu::selected_isa, so
+// KVPACK_ISA applies) when the dispatch library is linked; the proper home is a precompiled
+// kernel in kernels/cpu once the cache wires Quest in.
+#if defined(__GNUC__) && defined(__x86_64__)
+#define KVPACK_QUEST_INLINE [[gnu::always_inline]] inline
+#else
+#define KVPACK_QUEST_INLINE inline
+#endif
+
+/// The bound's loops use GCC/clang vector extensions, so each variant below keeps its
+/// accumulators in registers whatever the including file's flags. A logical accumulator is 16
+/// float lanes (one zmm, two ymm, ...): every variant adds in the same order per lane.
+using Vec16 = float __attribute__((vector_size(64)));
+using Int16 = std::int32_t __attribute__((vector_size(64)));
+using Vec8 = float __attribute__((vector_size(32)));
+using Int8 = std::int32_t __attribute__((vector_size(32)));
+inline constexpr index_t kLanes = 16;
+
+template <class V>
+struct VecTraits;
+template <>
+struct VecTraits<Vec16> {
+  using Int = Int16;
+};
+template <>
+struct VecTraits<Vec8> {
+  using Int = Int8;
+};
+
+/// Σ of 16 lanes held in `parts` vectors, in a fixed pairwise order. (Vectors go by reference:
+/// a 64-byte vector by value has a different ABI with and without AVX-512, which GCC warns about.)
+template <class V, index_t kParts>
+KVPACK_QUEST_INLINE float sum16(const V (&parts)[kParts]) noexcept {
+  static_assert(sizeof(V) * kParts == kLanes * sizeof(float));
+  float lanes[kLanes];
+  __builtin_memcpy(lanes, parts, sizeof(lanes));
+  for (index_t width = kLanes / 2; width >= 1; width /= 2) {
+    for (index_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  return lanes[0];
+}
+
+/// Relative float rounding of the bound. With the query split as q⁻ = min(q, 0) against the min
+/// row and q⁺ = max(q, 0) against the max row, one of each channel's two products is an exact
+/// zero, so U = Σ_c t_c with t_c = max(q_c·min_c, q_c·max_c) is a dot product of 2·head_dim
+/// terms in 16-lane accumulators: each lane adds at most ceil(head_dim / 8) terms (one
+/// accumulator), then the accumulators (1), the lane tree (4) and the allowance (1); one more for
+/// products rounded apart from their sums without FMA. The error is at most γ_n·Σ_c |t_c| with
+/// γ_n ≤ n·2^-24·1.01, and Σ_c |t_c| ≤ max_c |q_c| · Σ_c (|min_c| + |max_c|). Doubled for margin
+/// (that also covers the rounding of that Σ and of the allowance's own products).
+KVPACK_QUEST_INLINE float bound_rounding(index_t head_dim) noexcept {
+  const index_t n = 1 + (head_dim + 7) / 8 + 1 + 4 + 1;
+  return 2.0f * static_cast<float>(n) * 1.01f * 0x1p-24f;
+}
+
+/// Query heads scored together: 4 heads × 2 accumulators = 8 independent FMA chains, enough to
+/// hide the FMA latency while the page's summary block is loaded once for all of them.
+inline constexpr index_t kHeadTile = 4;
+/// Floats of the split queries kept on the stack; larger groups are scored in several passes.
+inline constexpr index_t kPreparedFloats = 4096;
+/// Query heads group_page_bounds takes at most (GQA groups are 1–16).
+inline constexpr index_t kMaxGroup = 64;
+/// Channels the split query of one head may have on the stack.
+inline constexpr index_t kMaxHeadDim = kPreparedFloats / 2;
+
+/// Bounds of `pages` pages for heads [0, kHeads) of `prepared` ([kHeads][blocks·16]: q⁻ row then
+/// q⁺ row, zero-padded), with kAcc logical accumulators per head, each 16 lanes in vectors V
+/// (AVX-512: two of one zmm, enough chains to hide the FMA latency; AVX2: one of two ymm, so
+/// they fit in the 16 registers). `abs_out[p]` receives Σ|summary| when non-null.
+template <class V, index_t kHeads, index_t kAcc>
+KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index_t head_dim,
+                                    const float* const* summaries, std::size_t pages, float* bounds /*[kHeads][pages]*/,
+                                    float* abs_out) noexcept {
+  using Int = typename VecTraits<V>::Int;
+  constexpr index_t kWidth = static_cast<index_t>(sizeof(V) / sizeof(float));
+  constexpr index_t kParts = kLanes / kWidth;
+  const index_t full = (2 * head_dim) / kLanes;  // whole blocks in the summary
+  const Int no_sign = Int{} + 0x7fffffff;
+  // Block `block` of summary row `src` into logical accumulator `a`.
+  const auto add_block = [&](V (&acc)[kHeads][kAcc][kParts], V (&abs_acc)[kAcc][kParts], const float* src,
+                             index_t block, index_t a) {
+    for (index_t part = 0; part < kParts; ++part) {
+      V s;
+      __builtin_memcpy(&s, src + part * kWidth, sizeof(s));
+      abs_acc[a][part] += reinterpret_cast<V>(reinterpret_cast<Int>(s) & no_sign);
+      for (index_t h = 0; h < kHeads; ++h) {
+        V q;
+        __builtin_memcpy(&q, prepared + h * stride + block * kLanes + part * kWidth, sizeof(q));
+        acc[h][a][part] += q * s;
+      }
+    }
+  };
+  // Summaries sit in page metadata, one pointer each: the hardware prefetcher cannot follow
+  // them, so fetch a few pages ahead while this one is scored.
+  constexpr std::size_t kAhead = 8;
+  const std::size_t summary_bytes = 2 * static_cast<std::size_t>(head_dim) * sizeof(float);
+  for (std::size_t p = 0; p < pages; ++p) {
+    if (p + kAhead < pages) {
+      const char* next = reinterpret_cast<const char*>(summaries[p + kAhead]);
+      for (std::size_t line = 0; line < summary_bytes; line += 64) __builtin_prefetch(next + line);
+    }
+    const float* summary = summaries[p];
+    V acc[kHeads][kAcc][kParts] = {};
+    V abs_acc[kAcc][kParts] = {};
+    index_t b = 0;
+    for (; b + kAcc <= full; b += kAcc) {
+      for (index_t a = 0; a < kAcc; ++a) add_block(acc, abs_acc, summary + (b + a) * kLanes, b + a, a);
+    }
+    const index_t left = 2 * head_dim - b * kLanes;  // < (kAcc + 1) blocks
+    if (left > 0) {
+      // The last blocks, copied into zero-padded ones (the query rows are padded too).
+      float tail[(kAcc + 1) * kLanes] = {};
+      __builtin_memcpy(tail, summary + b * kLanes, static_cast<std::size_t>(left) * sizeof(float));
+      for (index_t i = 0; i * kLanes < left; ++i) add_block(acc, abs_acc, tail + i * kLanes, b + i, i % kAcc);
+    }
+    for (index_t h = 0; h < kHeads; ++h) {
+      for (index_t a = 1; a < kAcc; ++a) {
+        for (index_t part = 0; part < kParts; ++part) acc[h][0][part] += acc[h][a][part];
+      }
+      bounds[static_cast<std::size_t>(h) * pages + p] = sum16<V, kParts>(acc[h][0]);
+    }
+    if (abs_out != nullptr) {
+      for (index_t a = 1; a < kAcc; ++a) {
+        for (index_t part = 0; part < kParts; ++part) abs_acc[0][part] += abs_acc[a][part];
+      }
+      abs_out[p] = sum16<V, kParts>(abs_acc[0]);
+    }
+  }
+}
+
+/// The bounds of `pages` pages for `group` heads (group <= kMaxGroup, head_dim <= kMaxHeadDim):
+/// see group_page_bounds. head_bounds may be null.
+template <class V, index_t kAcc>
+KVPACK_QUEST_INLINE void page_bounds_body(const float* queries, index_t group, index_t head_dim,
+                                          const float* const* summaries, std::size_t pages, float* head_bounds,
+                                          float* page_bounds, GroupBound how) noexcept {
+  const index_t blocks = (2 * head_dim + kLanes - 1) / kLanes;
+  const index_t stride = blocks * kLanes;
+  const index_t heads_per_pass = std::max<index_t>(1, std::min<index_t>(group, kPreparedFloats / stride));
+  constexpr std::size_t kChunk = 256;  // pages per pass over the tiles: their summaries stay in L2
+  float prepared[kPreparedFloats];     // [heads_per_pass][stride] split queries, 16 KiB
+  float bounds[kHeadTile * kChunk];    // [kHeadTile][chunk] per-head bounds of a chunk of pages
+  float summary_abs[kChunk];           // [chunk] Σ|summary|
+  float query_max[kMaxGroup];          // max_c |q_c| per head
+  const float allowance = bound_rounding(head_dim);
+  for (index_t h = 0; h < group; ++h) {
+    float m = 0.0f;
+    for (index_t c = 0; c < head_dim; ++c) m = std::max(m, std::fabs(queries[static_cast<std::size_t>(h) * head_dim + c]));
+    query_max[h] = m;
+  }
+  for (std::size_t first = 0; first < pages; first += kChunk) {
+    const std::size_t count = std::min(kChunk, pages - first);
+    for (std::size_t p = 0; p < count; ++p) {
+      page_bounds[first + p] = how == GroupBound::kMax ? -std::numeric_limits<float>::infinity() : 0.0f;
+    }
+    for (index_t pass = 0; pass < group; pass += heads_per_pass) {
+      const index_t pass_heads = std::min(heads_per_pass, group - pass);
+      // With one pass (every head fits), the split queries of the first chunk serve them all.
+      const bool prepared_already = first > 0 && heads_per_pass >= group;
+      for (index_t h = 0; h < pass_heads && !prepared_already; ++h) {
+        const float* q = queries + static_cast<std::size_t>(pass + h) * head_dim;
+        float* row = prepared + static_cast<std::size_t>(h) * stride;
+        for (index_t c = 0; c < head_dim; ++c) {
+          row[c] = std::min(q[c], 0.0f);
+          row[head_dim + c] = std::max(q[c], 0.0f);
+        }
+        for (index_t c = 2 * head_dim; c < stride; ++c) row[c] = 0.0f;
+      }
+      for (index_t tile = 0; tile < pass_heads; tile += kHeadTile) {
+        const index_t tile_heads = std::min(kHeadTile, pass_heads - tile);
+        const float* tile_queries = prepared + static_cast<std::size_t>(tile) * stride;
+        float* abs_out = pass == 0 && tile == 0 ? summary_abs : nullptr;
+        const float* const* chunk = summaries + first;
+        switch (tile_heads) {
+          case 4: score_tile<V, 4, kAcc>(tile_queries, stride, head_dim, chunk, count, bounds, abs_out); break;
+          case 3: score_tile<V, 3, kAcc>(tile_queries, stride, head_dim, chunk, count, bounds, abs_out); break;
+          case 2: score_tile<V, 2, kAcc>(tile_queries, stride, head_dim, chunk, count, bounds, abs_out); break;
+          default: score_tile<V, 1, kAcc>(tile_queries, stride, head_dim, chunk, count, bounds, abs_out); break;
+        }
+        for (index_t h = 0; h < tile_heads; ++h) {
+          const index_t head = pass + tile + h;
+          for (std::size_t p = 0; p < count; ++p) {
+            const float* summary = summaries[first + p];
+            float u = bounds[static_cast<std::size_t>(h) * count + p] + allowance * query_max[head] * summary_abs[p];
+            if (!(summary[0] <= summary[head_dim])) u = -std::numeric_limits<float>::infinity();  // empty page
+            if (head_bounds != nullptr) head_bounds[static_cast<std::size_t>(head) * pages + first + p] = u;
+            float& out = page_bounds[first + p];
+            out = how == GroupBound::kMax ? std::max(out, u) : out + u;
+          }
+        }
+      }
+    }
+    if (how == GroupBound::kMean) {
+      for (std::size_t p = 0; p < count; ++p) page_bounds[first + p] /= static_cast<float>(group);
+    }
+  }
+}
+
+using PageBoundsFunction = void (*)(const float*, index_t, index_t, const float* const*, std::size_t, float*,
+                                    float*, GroupBound) noexcept;
+
+inline void page_bounds_default(const float* queries, index_t group, index_t head_dim, const float* const* summaries,
+                                std::size_t pages, float* head_bounds, float* page_bounds, GroupBound how) noexcept {
+  page_bounds_body<Vec8, 1>(queries, group, head_dim, summaries, pages, head_bounds, page_bounds, how);
+}
+
+#if defined(__GNUC__) && defined(__x86_64__) && defined(KVPACK_HAS_CPU_DISPATCH) && KVPACK_HAS_CPU_DISPATCH
+#define KVPACK_QUEST_TARGETS 1
+[[gnu::target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]] inline void page_bounds_avx512(
+    const float* queries, index_t group, index_t head_dim, const float* const* summaries, std::size_t pages,
+    float* head_bounds, float* page_bounds, GroupBound how) noexcept {
+  page_bounds_body<Vec16, 2>(queries, group, head_dim, summaries, pages, head_bounds, page_bounds, how);
+}
+[[gnu::target("avx2,fma")]] inline void page_bounds_avx2(const float* queries, index_t group, index_t head_dim,
+                                                         const float* const* summaries, std::size_t pages,
+                                                         float* head_bounds, float* page_bounds,
+                                                         GroupBound how) noexcept {
+  page_bounds_body<Vec8, 1>(queries, group, head_dim, summaries, pages, head_bounds, page_bounds, how);
+}
+#else
+#define KVPACK_QUEST_TARGETS 0
+#endif
+
+/// The variant this process runs, chosen once: the attention kernels' ISA with the dispatch
+/// library, the including file's flags without it.
+inline PageBoundsFunction page_bounds_function() {
+  static const PageBoundsFunction chosen = []() -> PageBoundsFunction {
+#if KVPACK_QUEST_TARGETS
+    const std::string_view isa = kernels::cpu::selected_isa();
+    if (isa == "avx512") return &page_bounds_avx512;
+    if (isa == "avx2") return &page_bounds_avx2;
+#endif
+    return &page_bounds_default;
+  }();
+  return chosen;
+}
+
+/// Calls visit(name, function) for every variant this CPU runs (tests check each one).
+template <class Visitor>
+void for_each_page_bounds_variant(Visitor&& visit) {
+#if KVPACK_QUEST_TARGETS
+  if (kernels::cpu::cpu_supports<xsimd::avx512bw>()) visit("avx512", &page_bounds_avx512);
+  if (kernels::cpu::cpu_supports<xsimd::fma3<xsimd::avx2>>()) visit("avx2", &page_bounds_avx2);
+#endif
+  visit("default", &page_bounds_default);
+}
+
+/// Whether page a ranks before page b: larger bound first, then lower index. NaN ranks as +inf
+/// (a page whose bound is unknown must be read).
+[[nodiscard]] inline bool ranks_before(std::span<const float> bounds, index_t a, index_t b) noexcept {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float x = std::isnan(bounds[a]) ? inf : bounds[a];
+  const float y = std::isnan(bounds[b]) ? inf : bounds[b];
+  return x > y || (x == y && a < b);
+}
+
+}  // namespace detail
+
+#undef KVPACK_QUEST_INLINE
+#undef KVPACK_QUEST_TARGETS
+
+/// The upper bound of q·k over every key k of the page's summary box:
+/// U = Σ_c max(q_c·min_c, q_c·max_c), plus an allowance for the float rounding of computing it
+/// (about 2^-19·max_c|q_c|·Σ_c(|min_c| + |max_c|) for head_dim 128), so U >= q·k holds in exact
+/// arithmetic for every key that was summarised. -inf for an empty summary. The same code as
+/// group_page_bounds, so both give the same bits on one machine (FMA or not: the last bits may
+/// differ between instruction sets; every one is certified).
+/// \param query [head_dim], the softmax scale already applied (then U bounds the scaled score)
+/// \throws kvpack::Error (kUnsupported) when head_dim exceeds 2048 (1024 with min and max apart),
+///         or on the first call when KVPACK_ISA names a target this CPU lacks
+[[nodiscard]] inline float page_upper_bound(const float* query, const float* min /*[head_dim]*/,
+                                            const float* max /*[head_dim]*/, index_t head_dim) {
+  if (head_dim <= 0) return 0.0f;
+  KVPACK_CHECK(head_dim <= detail::kMaxHeadDim, kUnsupported,
+               kvpack::detail::message("page_upper_bound: head_dim ", head_dim, " exceeds ", detail::kMaxHeadDim));
+  const float* summary[1] = {min};
+  float bound = 0.0f;
+  if (max == min + head_dim) {
+    detail::page_bounds_function()(query, 1, head_dim, summary, 1, nullptr, &bound, GroupBound::kMax);
+    return bound;
+  }
+  // Rows apart: the [2][head_dim] layout group_page_bounds reads, on the stack when small.
+  constexpr index_t kStackDim = 1024;
+  KVPACK_CHECK(head_dim <= kStackDim, kUnsupported,
+               kvpack::detail::message("page_upper_bound: head_dim ", head_dim, " with separate min and max rows "
+                                       "exceeds ", kStackDim, "; pass a [2][head_dim] summary"));
+  float joined[2 * kStackDim];
+  std::copy_n(min, head_dim, joined);
+  std::copy_n(max, head_dim, joined + head_dim);
+  summary[0] = joined;
+  detail::page_bounds_function()(query, 1, head_dim, summary, 1, nullptr, &bound, GroupBound::kMax);
+  return bound;
+}
+
+/// Bounds of every page of one KV stream for the g query heads of its group.
+/// Each summary is read once for the g heads (it is the bytes that cost, not the FMAs).
+/// \param queries     [group][head_dim], softmax scale applied
+/// \param summaries   [pages] pointers to a page's summary, [2][head_dim]: min row, then max row
+/// \param head_bounds [group][pages] per-head bounds (what unread_bound.hpp needs), or empty
+/// \param page_bounds [pages] the group's bound per page, aggregated by `how`
+/// \throws kvpack::Error (kInvalidArgument) when a span's size does not match the shapes
+inline void group_page_bounds(std::span<const float> queries, index_t group, index_t head_dim,
+                              std::span<const float* const> summaries, std::span<float> head_bounds,
+                              std::span<float> page_bounds, GroupBound how = GroupBound::kMax) {
+  KVPACK_CHECK(group > 0 && head_dim > 0, kInvalidArgument,
+               kvpack::detail::message("group_page_bounds: group (", group, ") and head_dim (", head_dim, ") must be > 0"));
+  const std::size_t pages = summaries.size();
+  KVPACK_CHECK(queries.size() == static_cast<std::size_t>(group) * head_dim, kInvalidArgument,
+               kvpack::detail::message("group_page_bounds: queries must hold group * head_dim = ",
+                               static_cast<std::size_t>(group) * head_dim, " floats, got ", queries.size()));
+  KVPACK_CHECK(page_bounds.size() == pages, kInvalidArgument,
+               kvpack::detail::message("group_page_bounds: page_bounds must hold one float per page (", pages,
+                               "), got ", page_bounds.size()));
+  KVPACK_CHECK(head_bounds.empty() || head_bounds.size() == pages * group, kInvalidArgument,
+               kvpack::detail::message("group_page_bounds: head_bounds must be empty or hold group * pages = ",
+                               pages * group, " floats, got ", head_bounds.size()));
+  KVPACK_CHECK(group <= detail::kMaxGroup && head_dim <= detail::kMaxHeadDim, kUnsupported,
+               kvpack::detail::message("group_page_bounds: group ", group, " or head_dim ", head_dim, " exceeds ",
+                                       detail::kMaxGroup, " or ", detail::kMaxHeadDim));
+  detail::page_bounds_function()(queries.data(), group, head_dim, summaries.data(), pages,
+                                 head_bounds.empty() ? nullptr : head_bounds.data(), page_bounds.data(), how);
+}
+
+/// The k pages with the largest bounds (ties: lower page index first; NaN counts as +inf),
+/// written to out[0, min(k, n)) in increasing page order so attention reads them in token order.
+/// O(n log k), no allocation, deterministic. Returns min(k, n).
+/// \throws kvpack::Error (kInvalidArgument) when k < 0 or out holds fewer than min(k, n) entries
+inline index_t select_top_pages(std::span<const float> bounds, index_t k, std::span<index_t> out) {
+  KVPACK_CHECK(k >= 0, kInvalidArgument, kvpack::detail::message("select_top_pages: k = ", k, " must be >= 0"));
+  const index_t n = static_cast<index_t>(bounds.size());
+  const index_t count = std::min(k, n);
+  KVPACK_CHECK(out.size() >= static_cast<std::size_t>(count), kInvalidArgument,
+               kvpack::detail::message("select_top_pages: out holds ", out.size(), " entries, ", count, " needed"));
+  for (index_t i = 0; i < count; ++i) out[i] = i;
+  if (count == n) return count;  // every page (also k == 0 with n == 0)
+  if (count == 0) return 0;
+  // A heap of the best `count` so far with the worst on top: a page replaces it when it ranks before it.
+  const auto worse_on_top = [&](index_t a, index_t b) { return detail::ranks_before(bounds, a, b); };
+  const auto first = out.begin();
+  const auto last = out.begin() + count;
+  std::make_heap(first, last, worse_on_top);
+  for (index_t i = count; i < n; ++i) {
+    if (detail::ranks_before(bounds, i, out[0])) {
+      std::pop_heap(first, last, worse_on_top);
+      *(last - 1) = i;
+      std::push_heap(first, last, worse_on_top);
+    }
+  }
+  std::sort(first, last);
+  return count;
+}
+
+}  // namespace kvpack::inline v0::select
