@@ -11,6 +11,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <shared_mutex>
 #include <span>
 #include <type_traits>
@@ -27,7 +28,9 @@
 #include "kvpack/paging/page_pool.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 #include "kvpack/select/dense.hpp"
+#include "kvpack/select/quest.hpp"
 #include "kvpack/select/select_concepts.hpp"
+#include "kvpack/select/unread_bound.hpp"
 
 namespace kvpack::inline v0 {
 
@@ -61,7 +64,8 @@ concept InputElement = std::is_convertible_v<T, float>;
 /// \tparam Quantizer quant::Float<T>, quant::FP8<F>, quant::Int8, quant::Q8_0, quant::Q4_0, ...
 /// \tparam Evictor   evict::KeepAll, evict::StreamingLLM<Budget>, evict::H2O<Budget>, evict::SnapKV<Budget>
 ///                   — which tokens each (layer, KV stream) drops after a write; see "Eviction" below
-/// \tparam Selector  select::DenseRead
+/// \tparam Selector  select::DenseRead, or select::Quest: attend reads the pages whose keys may
+///                   score highest, and can certify how much attention it left unread
 template <layout::Layout Layout, quant::Quantizer Quantizer, evict::Evictor Evictor = evict::KeepAll,
           select::PageSelector Selector = select::DenseRead>
 class KVCache {
@@ -70,6 +74,8 @@ class KVCache {
   using KeyParams = typename KeyCodec::params_type;
   using ValueParams = typename ValueCodec::params_type;
   static constexpr bool kEvicts = Evictor::kDropsTokens;
+  /// Whether pages carry select::Quest's summary: the keys' channel min and max as read.
+  static constexpr bool kSummarizes = !Selector::kReadsAllPages;
   /// Whether per-slot attention scores are kept for the evictor.
   static constexpr bool kKeepsScores = [] {
     if constexpr (Evictor::kDropsTokens) return Evictor::kNeedsScores || Evictor::kUsesObservation;
@@ -84,8 +90,8 @@ class KVCache {
   static_assert(!(Evictor::kNeedsScores && !Selector::kReadsAllPages),
                 "an Evictor that ranks tokens by attention scores cannot be combined with a "
                 "Selector that skips pages: tokens on unread pages would never be scored");
-  static_assert(Selector::kReadsAllPages,
-                "this KVCache does not apply page selection yet; use select::DenseRead");
+  static_assert(Selector::kReadsAllPages || std::is_same_v<Selector, select::Quest>,
+                "KVCache applies select::Quest; another selector that skips pages needs its own path");
 
  public:
   using layout_type = Layout;
@@ -117,6 +123,12 @@ class KVCache {
     quantizer_.key.validate(key_geometry());
     quantizer_.value.validate(value_geometry());
     if constexpr (kEvicts) evictor_.validate();
+    if constexpr (kSummarizes) {
+      selector_.validate();
+      KVPACK_CHECK(shape_.group_size() <= 64 && key_dim_ <= 1024, kUnsupported,
+                   detail::message("select::Quest scores pages for at most 64 query heads per KV head and "
+                                   "head_dim 1024, got ", shape_.group_size(), " and ", key_dim_));
+    }
     KVPACK_CHECK(key_dim_ == value_dim_, kUnsupported,
                  "KVCache's attention kernels need key and value rows of the same width");
     key_params_.reserve(static_cast<std::size_t>(cache_layers_) * streams_);
@@ -229,9 +241,7 @@ class KVCache {
                  detail::message("append: position ", position, " exceeds ", max_position(), max_position_reason()));
     write_tokens(state, layer, as_floats(key, 0), as_floats(value, 1), 1,
                  static_cast<std::int32_t>(position), "append");
-    if constexpr (kEvicts) {
-      if constexpr (Evictor::kEvictsOnAppend) evict_layer(sequence, state, layer);
-    }
+    if constexpr (kEvicts) evict_layer(sequence, state, layer, Evictor::kEvictsOnAppend);
   }
 
   /// Pins positions [first, last] of a sequence in every layer, including tokens not written
@@ -257,13 +267,17 @@ class KVCache {
     return state.tokens;
   }
 
-  /// Decode attention for one layer: out[h] = softmax(scale · q[h] · Kᵀ) V over every token of
-  /// the layer, read from the encoded pages directly.
-  /// \param query [q_heads][head_dim]
-  /// \param out   [q_heads][head_dim]
+  /// Decode attention for one layer: out[h] = softmax(scale · q[h] · Kᵀ) V over every live token
+  /// of the layer — or, with select::Quest beyond its dense layers, over the pages whose keys may
+  /// score highest plus the tail — read from the encoded pages directly.
+  /// \param query  [q_heads][head_dim]
+  /// \param out    [q_heads][head_dim]
+  /// \param report when given (its epsilon set), receives per query head a certified upper bound
+  ///        on the attention mass of the tokens this call did not read; needs select::Quest's
+  ///        page summaries when any token can be unread (an evicting cache)
   template <InputElement T>
-  void attend(SeqId seq, index_t layer, std::span<const T> query, std::span<float> out,
-              float scale) const {
+  void attend(SeqId seq, index_t layer, std::span<const T> query, std::span<float> out, float scale,
+              AttendReport* report = nullptr) const {
     const Sequence& sequence = find(seq, "attend");
     const index_t model_layer = layer;
     layer = stored_layer(layer, "attend");
@@ -275,28 +289,60 @@ class KVCache {
     const LayerState& state = sequence.layers[layer];
     KVPACK_CHECK(state.tokens > 0, kInvalidArgument,
                  detail::message("attend: layer ", model_layer, " of sequence ", seq, " holds no tokens"));
+    KVPACK_CHECK(report == nullptr || kSummarizes || !kEvicts, kUnsupported,
+                 "attend: a bound on what an evicting cache did not read needs its pages' summaries: "
+                 "use select::Quest (a token_budget above the context reads every page)");
+    KVPACK_CHECK(report == nullptr || report->epsilon >= 0.0, kInvalidArgument,
+                 detail::message("attend: AttendReport.epsilon ", report != nullptr ? report->epsilon : 0.0,
+                                 " must be >= 0"));
     const std::span<const float> q = as_floats(query, 0);
     if (config_.check_inputs) check_values(q, std::numeric_limits<float>::max(), "attend", "query");
 
     const index_t group = shape_.group_size();
+    const bool select_pages = [&] {
+      if constexpr (kSummarizes) return !selector_.reads_densely(model_layer);
+      return false;
+    }();
+    if (report != nullptr) {
+      report->heads.assign(static_cast<std::size_t>(shape_.q_heads), select::UnreadBound{});
+      report->read_pages.resize(static_cast<std::size_t>(streams_));
+      report->fired = false;
+    }
+    std::vector<std::size_t> pages_read(report != nullptr ? static_cast<std::size_t>(streams_) : 0);
     const auto kernel_set = kernels::KernelSet<KeyCodec, ValueCodec>::selected();
     auto attend_stream = [&](index_t s) {
       thread_local kernels::Workspace workspace;
       thread_local std::vector<float> scaled_queries;
+      thread_local std::vector<index_t> reading;  // indices into the table of the pages read
       thread_local std::vector<const std::byte*> page_pointers;
       thread_local std::vector<const std::int32_t*> page_positions;
       thread_local std::vector<const std::uint64_t*> page_live;
       thread_local std::vector<float> recorded;
+      thread_local std::vector<float> head_bounds;  // [group][pages]
       const std::vector<PageId>& table = state.tables[s];
-      page_pointers.resize(table.size());
-      for (std::size_t i = 0; i < table.size(); ++i) page_pointers[i] = pool_.payload(table[i]);
+      scaled_queries.resize(static_cast<std::size_t>(group) * key_dim_);
+      for (std::size_t i = 0; i < scaled_queries.size(); ++i) {
+        scaled_queries[i] = q[static_cast<std::size_t>(s) * group * key_dim_ + i] * scale;
+      }
+      reading.resize(table.size());
+      std::iota(reading.begin(), reading.end(), 0);
+      if constexpr (kSummarizes) {
+        if (select_pages || report != nullptr) page_bounds(table, scaled_queries, group, head_bounds);
+        if (select_pages) {
+          const index_t keep = selector_.pages_to_read(static_cast<index_t>(table.size()), config_.page_size);
+          reading.resize(static_cast<std::size_t>(
+              select::select_top_pages(std::span<const float>(head_bounds).last(table.size()), keep, reading)));
+        }
+      }
+      page_pointers.resize(reading.size());
+      for (std::size_t i = 0; i < reading.size(); ++i) page_pointers[i] = pool_.payload(table[reading[i]]);
       const std::uint64_t* const* live = nullptr;
       const std::uint8_t* row_live = nullptr;
       if constexpr (kEvicts) {
         // Pages with dead slots hand their live masks to the kernels; full pages keep the fast path.
-        page_live.resize(table.size());
-        for (std::size_t i = 0; i < table.size(); ++i) {
-          const std::uint64_t* mask = live_mask(table[i]);
+        page_live.resize(reading.size());
+        for (std::size_t i = 0; i < reading.size(); ++i) {
+          const std::uint64_t* mask = live_mask(table[reading[i]]);
           page_live[i] = live_count(mask) == config_.page_size ? nullptr : mask;
         }
         live = page_live.data();
@@ -305,18 +351,14 @@ class KVCache {
       kernels::KeyRope key_rope;
       if (config_.key_rope) {
         // Slot positions lead each page's metadata.
-        page_positions.resize(table.size());
-        for (std::size_t i = 0; i < table.size(); ++i) {
-          page_positions[i] = reinterpret_cast<const std::int32_t*>(pool_.metadata(table[i]));
+        page_positions.resize(reading.size());
+        for (std::size_t i = 0; i < reading.size(); ++i) {
+          page_positions[i] = reinterpret_cast<const std::int32_t*>(pool_.metadata(table[reading[i]]));
         }
         key_rope = {rope_tables_->view(), page_positions.data(), state.tail_positions.data()};
       }
-      scaled_queries.resize(static_cast<std::size_t>(group) * key_dim_);
-      for (std::size_t i = 0; i < scaled_queries.size(); ++i) {
-        scaled_queries[i] = q[static_cast<std::size_t>(s) * group * key_dim_ + i] * scale;
-      }
       workspace.prepare(group, key_dim_, config_.page_size, state.rows_count());
-      const kernels::PageRun run{page_pointers.data(), live, static_cast<index_t>(table.size()), 0,
+      const kernels::PageRun run{page_pointers.data(), live, static_cast<index_t>(reading.size()), 0,
                                  config_.page_size, key_dim_, value_plane_offset(),
                                  pool_.format().payload_bytes};
       const std::size_t tail_offset = static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
@@ -337,11 +379,26 @@ class KVCache {
       if constexpr (kEvicts && Evictor::kNeedsScores) {
         add_attention_scores(state.eviction[s], record, workspace, group);
       }
+      if (report != nullptr) {
+        pages_read[s] = reading.size();
+        report->read_pages[s].assign(reading.begin(), reading.end());
+        if constexpr (kSummarizes) {
+          bound_unread(state, s, reading, head_bounds, scaled_queries, workspace,
+                       std::span<select::UnreadBound>(report->heads).subspan(static_cast<std::size_t>(s) * group, group));
+        }
+      }
     };
     if (config_.executor && streams_ > 1) {
       config_.executor(streams_, attend_stream);
     } else {
       for (index_t s = 0; s < streams_; ++s) attend_stream(s);
+    }
+    if (report != nullptr) {
+      report->pages_read = std::accumulate(pages_read.begin(), pages_read.end(), std::size_t{0});
+      report->pages_total = 0;
+      for (const auto& table : state.tables) report->pages_total += table.size();
+      report->fired = std::any_of(report->heads.begin(), report->heads.end(),
+                                  [&](const select::UnreadBound& head) { return head.fired(report->epsilon); });
     }
   }
 
@@ -466,6 +523,8 @@ class KVCache {
     std::vector<float> row_scores;       ///< [tail_capacity] (kKeepsScores)
     index_t live_tokens = 0;             ///< tokens not dropped, exact prefix included
     index_t dead_page_slots = 0;         ///< dead slots in its pages: what compaction would free
+    std::vector<float> ghosts;           ///< [kMaxGhosts][summary_floats()] with select::Quest
+    index_t ghost_count = 0;
   };
   /// One layer of one sequence. Its full-precision rows, per stream: the exact prefix (rows
   /// [0, prefix_count), never encoded) and the tail (rows [exact_prefix_tokens, … + tail_count),
@@ -765,7 +824,8 @@ class KVCache {
     index_t fresh_count = 0;
     for (index_t s = 0; s < streams_; ++s) {
       for (index_t p = 0; p < new_pages; ++p) {
-        const bool dead = !first_write && !state.eviction.empty() && (p + 1) * page <= state.tail_count &&
+        // With summaries the page is kept until eviction frees it, so its summary outlives it.
+        const bool dead = !kSummarizes && !first_write && !state.eviction.empty() && (p + 1) * page <= state.tail_count &&
                           std::all_of(state.eviction[s].row_live.begin() + tail_start + p * page,
                                       state.eviction[s].row_live.begin() + tail_start + (p + 1) * page,
                                       [](std::uint8_t live) { return live == 0; });
@@ -784,6 +844,7 @@ class KVCache {
     thread_local std::vector<float> staging;
     try {
       staging.resize(static_cast<std::size_t>(page) * std::max(key_dim_, value_dim_));
+      if constexpr (kSummarizes) prepare_summary_scratch();
       if (first_write) {
         new_tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
         new_tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
@@ -878,6 +939,7 @@ class KVCache {
                      payload + value_plane_offset(), staging);
         write_slot_metadata(pool_.metadata(id), [&](index_t t) { return position_of(begin + t); },
                             [&](index_t t) { return row_live(s, begin + t); });
+        if constexpr (kSummarizes) write_summary(id, params, page);
         state.tables[s].push_back(id);
         if constexpr (kEvicts) {
           StreamEviction& stream = state.eviction[s];
@@ -978,6 +1040,10 @@ class KVCache {
     return reinterpret_cast<const std::uint64_t*>(pool_.metadata(id) +
                                                   static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t));
   }
+  /// Tokens that ever lived in a summarized page (its slots minus a compaction's padding).
+  [[nodiscard]] index_t lived_in(PageId id) const noexcept {
+    return static_cast<index_t>(summary_of(id)[2 * key_dim_ + 1]);
+  }
   [[nodiscard]] index_t live_count(const std::uint64_t* mask) const noexcept {
     index_t count = 0;
     for (std::size_t w = 0; w < live_mask_words(); ++w) count += static_cast<index_t>(std::popcount(mask[w]));
@@ -1035,10 +1101,15 @@ class KVCache {
   /// Lets every stream of a layer over its budget drop tokens. Never throws: it runs after a
   /// write has committed, so when memory runs short (bad_alloc, or no page to copy a shared one
   /// into) it leaves tokens alive and the next write tries again.
-  void evict_layer(const Sequence& sequence, LayerState& state, index_t layer) noexcept {
+  /// `choose`: whether the evictor decides now (else only pages left empty by earlier decisions
+  /// are freed: tail rows dropped before they were encoded into a summarized page).
+  void evict_layer(const Sequence& sequence, LayerState& state, index_t layer, bool choose = true) noexcept {
     for (index_t s = 0; s < static_cast<index_t>(state.eviction.size()); ++s) {
       try {
-        evict_stream(sequence, state, layer, s);
+        StreamEviction& stream = state.eviction[s];
+        ensure_ghosts(stream);
+        if (kSummarizes && stream.dead_page_slots >= config_.page_size) remove_empty_pages(stream, state.tables[s]);
+        if (choose) evict_stream(sequence, state, layer, s);
       } catch (const std::bad_alloc&) {
       } catch (const Error&) {  // OutOfPages from a copy-on-write
       }
@@ -1150,6 +1221,7 @@ class KVCache {
     std::size_t kept = 0;
     for (std::size_t i = 0; i < table.size(); ++i) {
       if (live_count(live_mask(table[i])) == 0) {
+        if constexpr (kSummarizes) add_ghost(stream, summary_of(table[i]), lived_in(table[i]));
         pool_.release(table[i]);
         stream.dead_page_slots -= page;
         continue;
@@ -1201,6 +1273,14 @@ class KVCache {
     std::vector<float> scores(kKeepsScores ? static_cast<std::size_t>(live) : 0);
     std::vector<float> decoded_keys(static_cast<std::size_t>(page) * key_dim_);
     std::vector<float> decoded_values(static_cast<std::size_t>(page) * value_dim_);
+    if constexpr (kSummarizes) {
+      prepare_summary_scratch();
+      ensure_ghosts(stream);
+      // The dead tokens of these pages keep their summaries; the new pages summarize the live ones.
+      for (std::size_t i = first; i < end; ++i) {
+        add_ghost(stream, summary_of(table[i]), lived_in(table[i]) - live_count(live_mask(table[i])));
+      }
+    }
 
     const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
     std::size_t n = 0;
@@ -1239,6 +1319,7 @@ class KVCache {
       write_slot_metadata(
           pool_.metadata(id), [&](index_t t) { return positions[std::min(base + t, n - 1)]; },
           [&](index_t t) { return base + t < n; });
+      if constexpr (kSummarizes) write_summary(id, p, static_cast<index_t>(std::min<std::size_t>(page, n - base)));
       if constexpr (kKeepsScores) {
         for (index_t t = 0; t < page; ++t) stream.page_scores[(first + j) * page + t] = base + t < n ? scores[base + t] : 0.0f;
       }
@@ -1252,6 +1333,219 @@ class KVCache {
     }
     stream.dead_page_slots -= static_cast<index_t>(gone) * page;
     return pages;
+  }
+
+  // ---- Page summaries and the certified bound (select::Quest) ----
+
+  /// Summary floats per page: [min][max] of the keys as read (head_dim each), the largest value
+  /// norm, the tokens that lived in the page.
+  [[nodiscard]] std::size_t summary_floats() const noexcept { return 2 * static_cast<std::size_t>(key_dim_) + 2; }
+  [[nodiscard]] std::size_t summary_offset() const noexcept {
+    return static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t) + live_mask_words() * sizeof(std::uint64_t);
+  }
+  [[nodiscard]] float* summary_of(PageId id) noexcept {
+    return reinterpret_cast<float*>(pool_.metadata(id) + summary_offset());
+  }
+  [[nodiscard]] const float* summary_of(PageId id) const noexcept {
+    return reinterpret_cast<const float*>(pool_.metadata(id) + summary_offset());
+  }
+
+  /// Per-thread buffers write_summary decodes a page into; sized here, where throwing is allowed.
+  struct SummaryScratch {
+    std::vector<float> keys;
+    std::vector<float> values;
+    std::vector<float> rotated;
+  };
+  static SummaryScratch& summary_scratch() noexcept {
+    thread_local SummaryScratch scratch;
+    return scratch;
+  }
+  void prepare_summary_scratch() const {
+    SummaryScratch& scratch = summary_scratch();
+    const std::size_t rows = static_cast<std::size_t>(config_.page_size);
+    if (scratch.keys.size() < rows * key_dim_) scratch.keys.resize(rows * key_dim_);
+    if (scratch.values.size() < rows * value_dim_) scratch.values.resize(rows * value_dim_);
+    if (scratch.rotated.size() < rows * key_dim_) scratch.rotated.resize(rows * key_dim_);
+  }
+
+  /// Writes a page's summary from its encoded bytes (prepare_summary_scratch first): the
+  /// channel box of every slot's key as the kernels read it (decoded, and rotated to its
+  /// position for pre-RoPE keys, the box then widened by the rotation's rounding), the largest
+  /// value norm, and `lived`.
+  void write_summary(PageId id, std::size_t params, index_t lived) noexcept {
+    SummaryScratch& scratch = summary_scratch();
+    const index_t page = config_.page_size;
+    const std::byte* payload = pool_.payload(id);
+    quantizer_.key.decode(key_geometry(), payload, key_params_[params], scratch.keys.data());
+    quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[params], scratch.values.data());
+    const float* keys = scratch.keys.data();
+    if (config_.key_rope) {
+      const std::byte* metadata = pool_.metadata(id);
+      for (index_t t = 0; t < page; ++t) {
+        std::int32_t position = 0;
+        std::memcpy(&position, metadata + static_cast<std::size_t>(t) * sizeof(position), sizeof(position));
+        rotate_with_tables(rope_tables_->view(), position, scratch.keys.data() + static_cast<std::size_t>(t) * key_dim_,
+                           scratch.rotated.data() + static_cast<std::size_t>(t) * key_dim_);
+      }
+      keys = scratch.rotated.data();
+    }
+    float* summary = summary_of(id);
+    select::summarize_page(keys, nullptr, page, key_dim_, summary, summary + key_dim_);
+    if (config_.key_rope) {
+      // The kernels rotate with their own instruction order: allow a few ulps of the row's size.
+      for (index_t c = 0; c < key_dim_; ++c) {
+        const float slack = 0x1p-18f * (std::fabs(summary[c]) + std::fabs(summary[key_dim_ + c])) + 1e-30f;
+        summary[c] -= slack;
+        summary[key_dim_ + c] += slack;
+      }
+    }
+    float norm = 0.0f;
+    for (index_t t = 0; t < page; ++t) norm = std::max(norm, row_norm(scratch.values.data() + static_cast<std::size_t>(t) * value_dim_));
+    summary[2 * key_dim_] = norm;
+    summary[2 * key_dim_ + 1] = static_cast<float>(lived);
+  }
+
+  /// ‖v‖₂ rounded up (a relative 2^-20 covers the float sum's rounding at any head_dim we take).
+  [[nodiscard]] float row_norm(const float* v) const noexcept {
+    double sum = 0.0;
+    for (index_t c = 0; c < value_dim_; ++c) sum += static_cast<double>(v[c]) * v[c];
+    return static_cast<float>(std::sqrt(sum) * (1.0 + 0x1p-20));
+  }
+
+  /// Bounds of every page of a stream: [group][pages] per head, then [pages] for the group.
+  void page_bounds(const std::vector<PageId>& table, std::span<const float> queries, index_t group,
+                   std::vector<float>& bounds) const {
+    thread_local std::vector<const float*> summaries;
+    summaries.resize(table.size());
+    for (std::size_t i = 0; i < table.size(); ++i) summaries[i] = summary_of(table[i]);
+    bounds.resize((static_cast<std::size_t>(group) + 1) * table.size());
+    const std::span<float> all(bounds);
+    select::group_page_bounds(queries, group, key_dim_, summaries,
+                              all.first(static_cast<std::size_t>(group) * table.size()), all.last(table.size()),
+                              selector_.group_bound);
+  }
+
+  /// The certified bound for one stream's heads after attend read the pages `reading` and the
+  /// live tail rows: unread tokens are the pages not read, the dead slots of pages read, the
+  /// tokens of freed pages (ghosts) and dead tail rows.
+  void bound_unread(const LayerState& state, index_t s, std::span<const index_t> reading,
+                    std::span<const float> head_bounds, std::span<const float> queries,
+                    const kernels::Workspace& workspace, std::span<select::UnreadBound> out) const {
+    const index_t group = static_cast<index_t>(out.size());
+    const std::vector<PageId>& table = state.tables[s];
+    const std::size_t pages = table.size();
+    thread_local std::vector<std::uint8_t> read;
+    thread_local std::vector<index_t> unread;  // [entries]: pages, ghosts, dead tail rows
+    thread_local std::vector<float> bounds;    // [group][entries]
+    thread_local std::vector<float> ghost_bounds;
+    thread_local std::vector<float> rotated;
+    read.assign(pages, 0);
+    for (index_t i : reading) read[static_cast<std::size_t>(i)] = 1;
+    const StreamEviction* stream = state.eviction.empty() ? nullptr : &state.eviction[s];
+    const std::size_t ghosts = stream != nullptr ? static_cast<std::size_t>(stream->ghost_count) : 0;
+    thread_local std::vector<index_t> dead_rows;
+    dead_rows.clear();
+    if (stream != nullptr) {
+      for (index_t r = state.prefix_count; r < state.rows_count(); ++r) {
+        if (stream->row_live[r] == 0) dead_rows.push_back(r);
+      }
+    }
+    const std::size_t entries = pages + ghosts + dead_rows.size();
+    unread.assign(entries, 0);
+    bounds.assign(static_cast<std::size_t>(group) * entries, 0.0f);
+    float max_norm = 0.0f;
+    for (std::size_t i = 0; i < pages; ++i) {
+      const float* summary = summary_of(table[i]);
+      const auto lived = static_cast<index_t>(summary[2 * key_dim_ + 1]);
+      unread[i] = read[i] != 0 ? lived - live_count(live_mask(table[i])) : lived;
+      max_norm = std::max(max_norm, summary[2 * key_dim_]);
+      for (index_t h = 0; h < group; ++h) bounds[h * entries + i] = head_bounds[h * pages + i];
+    }
+    if (ghosts > 0) {
+      thread_local std::vector<const float*> summaries;
+      summaries.resize(ghosts);
+      for (std::size_t g = 0; g < ghosts; ++g) {
+        summaries[g] = stream->ghosts.data() + g * summary_floats();
+        unread[pages + g] = static_cast<index_t>(std::min<float>(summaries[g][2 * key_dim_ + 1], 2e9f));
+        max_norm = std::max(max_norm, summaries[g][2 * key_dim_]);
+      }
+      ghost_bounds.resize((static_cast<std::size_t>(group) + 1) * ghosts);
+      const std::span<float> all(ghost_bounds);
+      select::group_page_bounds(queries, group, key_dim_, summaries, all.first(static_cast<std::size_t>(group) * ghosts),
+                                all.last(ghosts), select::GroupBound::kMax);
+      for (index_t h = 0; h < group; ++h) {
+        std::copy_n(ghost_bounds.begin() + static_cast<std::ptrdiff_t>(h) * ghosts, ghosts,
+                    bounds.begin() + static_cast<std::ptrdiff_t>(h * entries + pages));
+      }
+    }
+    const float* rows_k = state.tail_keys.data() + static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
+    const float* rows_v = state.tail_values.data() + static_cast<std::size_t>(s) * tail_capacity() * value_dim_;
+    for (index_t r = 0; r < state.rows_count(); ++r) max_norm = std::max(max_norm, row_norm(rows_v + static_cast<std::size_t>(r) * value_dim_));
+    rotated.resize(static_cast<std::size_t>(key_dim_));
+    for (std::size_t j = 0; j < dead_rows.size(); ++j) {
+      // A dead tail row's score is known exactly; a margin covers the kernels' float rounding.
+      const float* key = rows_k + static_cast<std::size_t>(dead_rows[j]) * key_dim_;
+      if (config_.key_rope) {
+        rotate_with_tables(rope_tables_->view(), state.tail_positions[dead_rows[j]], key, rotated.data());
+        key = rotated.data();
+      }
+      unread[pages + ghosts + j] = 1;
+      for (index_t h = 0; h < group; ++h) {
+        double dot = 0.0, size = 0.0;
+        for (index_t c = 0; c < key_dim_; ++c) {
+          dot += static_cast<double>(queries[h * key_dim_ + c]) * key[c];
+          size += std::fabs(static_cast<double>(queries[h * key_dim_ + c]) * key[c]);
+        }
+        bounds[h * entries + pages + ghosts + j] = static_cast<float>(dot + 0x1p-16 * size + 1e-30);
+      }
+    }
+    select::unread_bounds(bounds, unread, std::span<const float>(workspace.running_max(), static_cast<std::size_t>(group)),
+                          std::span<const float>(workspace.running_sum(), static_cast<std::size_t>(group)), max_norm, out);
+  }
+
+  // Ghosts: the summaries of tokens that died with their page (or left it in a compaction), kept
+  // so the bound still covers them. At most kMaxGhosts per stream: when full, neighbours merge
+  // (their boxes' union holds both, so the bound stays valid, only looser).
+  static constexpr index_t kMaxGhosts = 16;
+
+  /// Allocates a stream's ghost storage on first need (may throw: call before changing anything).
+  void ensure_ghosts(StreamEviction& stream) {
+    if constexpr (kSummarizes) {
+      if (!stream.ghosts.empty()) return;
+      stream.ghosts.resize(kMaxGhosts * summary_floats());
+      table_bytes_.fetch_add(stream.ghosts.capacity() * sizeof(float), std::memory_order_relaxed);
+    }
+  }
+
+  /// Keeps `count` dead tokens under `summary`'s box (ensure_ghosts first).
+  void add_ghost(StreamEviction& stream, const float* summary, index_t count) noexcept {
+    if (count <= 0) return;
+    const std::size_t n = summary_floats();
+    if (stream.ghost_count == kMaxGhosts) {
+      for (index_t g = 0; g < kMaxGhosts / 2; ++g) {
+        merge_ghost(stream.ghosts.data() + static_cast<std::size_t>(g) * n,
+                    stream.ghosts.data() + static_cast<std::size_t>(2 * g) * n,
+                    stream.ghosts.data() + static_cast<std::size_t>(2 * g + 1) * n);
+      }
+      stream.ghost_count = kMaxGhosts / 2;
+    }
+    float* ghost = stream.ghosts.data() + static_cast<std::size_t>(stream.ghost_count++) * n;
+    std::copy_n(summary, n - 1, ghost);
+    ghost[n - 1] = static_cast<float>(count);
+  }
+
+  /// out = the union of ghosts a and b (out may be a).
+  void merge_ghost(float* out, const float* a, const float* b) const noexcept {
+    for (index_t c = 0; c < key_dim_; ++c) {
+      out[c] = std::min(a[c], b[c]);
+      out[key_dim_ + c] = std::max(a[key_dim_ + c], b[key_dim_ + c]);
+    }
+    out[2 * key_dim_] = std::max(a[2 * key_dim_], b[2 * key_dim_]);
+    // Counts add up; rounded up where a float cannot hold the sum, so none is lost.
+    const double sum = static_cast<double>(a[2 * key_dim_ + 1]) + b[2 * key_dim_ + 1];
+    float rounded = static_cast<float>(sum);
+    if (static_cast<double>(rounded) < sum) rounded = std::nextafter(rounded, std::numeric_limits<float>::infinity());
+    out[2 * key_dim_ + 1] = rounded;
   }
 
   /// Adds (sign +1) or removes (-1) a sequence's tails, tables and elements from the counters.
@@ -1268,7 +1562,7 @@ class KVCache {
       }
       for (const StreamEviction& stream : state.eviction) {
         tails += stream.row_live.capacity() + stream.row_scores.capacity() * sizeof(float);
-        tables += stream.page_scores.capacity() * sizeof(float);
+        tables += (stream.page_scores.capacity() + stream.ghosts.capacity()) * sizeof(float);
         elements += static_cast<std::size_t>(stream.live_tokens) * (key_dim_ + value_dim_);
       }
     }

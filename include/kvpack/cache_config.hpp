@@ -11,6 +11,7 @@
 #include "kvpack/core/rope.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/paging/page_pool.hpp"
+#include "kvpack/select/unread_bound.hpp"
 
 namespace kvpack::inline v0 {
 
@@ -80,6 +81,23 @@ struct MemoryUsage {
   /// All bytes, metadata, tails and tables included, per stored element.
   [[nodiscard]] double bits_per_element() const noexcept {
     return stored_elements == 0 ? 0.0 : 8.0 * static_cast<double>(total()) / static_cast<double>(stored_elements);
+  }
+};
+
+/// What one `attend` left unread, and how much it could matter: the certified bound of
+/// select/unread_bound.hpp per query head, over the pages select::Quest skipped, the slots an
+/// evictor dropped (their pages' summaries are kept after the pages are freed) and dead tail rows.
+struct AttendReport {
+  double epsilon = 0.01;                   ///< in: the unread mass above which `fired` is set
+  std::vector<select::UnreadBound> heads;  ///< out: [q_heads]
+  bool fired = false;                      ///< out: some head's unread mass may exceed epsilon
+  std::size_t pages_read = 0;              ///< out: pages read, over the layer's KV streams
+  std::size_t pages_total = 0;             ///< out: pages held
+  std::vector<std::vector<index_t>> read_pages;  ///< out: [streams] indices into pages() of the pages read
+  [[nodiscard]] double max_mass() const noexcept {
+    double top = 0.0;
+    for (const select::UnreadBound& head : heads) top = top > head.mass ? top : head.mass;
+    return top;
   }
 };
 

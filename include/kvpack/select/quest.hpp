@@ -52,10 +52,11 @@ struct Quest {
   index_t min_pages = 3;
   GroupBound group_bound = GroupBound::kMax;
 
-  /// Per-channel min and max as fp32 (2·head_dim floats): exact for every decoded key, so the
-  /// bound needs no rounding allowance for the summary itself.
+  /// Per-channel min and max as fp32 (2·head_dim floats: exact for every decoded key, so the
+  /// bound needs no rounding allowance for the summary itself), then two floats for the
+  /// certified bound: the largest value norm in the page and the tokens that lived in it.
   [[nodiscard]] std::size_t summary_bytes(index_t /*page_size*/, index_t head_dim) const noexcept {
-    return 2 * static_cast<std::size_t>(head_dim > 0 ? head_dim : 0) * sizeof(float);
+    return (2 * static_cast<std::size_t>(head_dim > 0 ? head_dim : 0) + 2) * sizeof(float);
   }
 
   /// \throws kvpack::Error (kInvalidConfig) on a negative budget, layer count or page minimum.

@@ -318,7 +318,7 @@ TEST_CASE("Quest top-k matches a stable sort, ties to the lower page, in page or
 TEST_CASE("Quest policy: budget in pages, dense layers, summary size", "[quest][select]") {
   static_assert(select::PageSelector<select::Quest>);
   const select::Quest quest;
-  CHECK(quest.summary_bytes(32, 128) == 2 * 128 * sizeof(float));
+  CHECK(quest.summary_bytes(32, 128) == (2 * 128 + 2) * sizeof(float));
   CHECK(quest.pages_to_read(1000, 32) == 4096 / 32);
   CHECK(quest.pages_to_read(50, 32) == 50);
   CHECK(quest.pages_to_read(0, 32) == 0);
