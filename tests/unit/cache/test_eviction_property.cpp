@@ -1,0 +1,183 @@
+// Random operation sequences on evicting caches (with and without Quest, pre-RoPE keys, an exact
+// prefix, a tail window, a small pool): after every step the accounting matches the live tokens,
+// attention equals exact attention over what read_back holds (or, with Quest, over the pages it
+// read), the certified bound is a probability, and releasing everything returns every byte.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "kvpack/eval/exact_attention.hpp"
+#include "kvpack/kvpack.hpp"
+#include "support/random_kv.hpp"
+
+namespace {
+
+using namespace kvpack;
+
+constexpr ModelShape kShape{2, 4, 2, 32};
+constexpr float kScale = 0.17677669f;
+
+/// Exact attention per head over the live tokens of each stream that attend read, in double.
+template <class Cache>
+double error_against_read_back(const Cache& cache, SeqId seq, index_t layer, const std::vector<float>& q,
+                               const std::vector<float>& out, const AttendReport& report) {
+  double worst = 0.0;
+  const index_t d = kShape.head_dim, group = kShape.group_size();
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    StoredTokens kept = cache.read_back(seq, layer, s);
+    // Drop the tokens of pages Quest skipped: their positions, read from the page metadata.
+    std::set<std::int32_t> skipped;
+    const auto pages = cache.pages(seq, layer, s);
+    const auto& read = report.read_pages[static_cast<std::size_t>(s)];
+    for (index_t i = 0; i < static_cast<index_t>(pages.size()); ++i) {
+      if (std::find(read.begin(), read.end(), i) != read.end()) continue;
+      const std::byte* metadata = cache.pool().metadata(pages[static_cast<std::size_t>(i)]);
+      for (index_t t = 0; t < cache.config().page_size; ++t) {
+        std::int32_t position = 0;
+        std::memcpy(&position, metadata + t * sizeof(position), sizeof(position));
+        skipped.insert(position);
+      }
+    }
+    std::vector<float> k, v;
+    for (index_t i = 0; i < kept.size(); ++i) {
+      if (skipped.count(kept.positions[i]) != 0) continue;
+      k.insert(k.end(), kept.keys.begin() + i * d, kept.keys.begin() + (i + 1) * d);
+      v.insert(v.end(), kept.values.begin() + i * d, kept.values.begin() + (i + 1) * d);
+    }
+    const index_t n = static_cast<index_t>(k.size() / d);
+    for (index_t h = s * group; h < (s + 1) * group; ++h) {
+      std::vector<double> want(d);
+      eval::exact_attention_head({k.data(), d, n, d}, {v.data(), d, n, d}, q.data() + h * d, kScale, want.data());
+      double diff = 0.0, norm = 0.0;
+      for (index_t c = 0; c < d; ++c) {
+        diff += std::pow(out[h * d + c] - want[c], 2);
+        norm += want[c] * want[c];
+      }
+      worst = std::max(worst, std::sqrt(diff / std::max(norm, 1e-30)));
+    }
+  }
+  return worst;
+}
+
+template <class Cache>
+void random_run(Cache& cache, std::uint32_t seed, double tolerance) {
+  std::mt19937 rng(seed);
+  std::vector<SeqId> live;
+  int refused = 0;
+  std::size_t dropped = 0;  // tokens written but no longer live, summed over the steps
+  auto pick = [&] { return live[std::uniform_int_distribution<std::size_t>(0, live.size() - 1)(rng)]; };
+  for (int step = 0; step < 300; ++step) {
+    const int op = std::uniform_int_distribution<int>(0, 9)(rng);
+    INFO("step " << step << " op " << op);
+    try {
+      if (op == 0 || live.empty()) {
+        const SeqId seq = cache.add_sequence();
+        live.push_back(seq);
+        if (rng() % 3 == 0) cache.pin(seq, rng() % 200, 200 + rng() % 40);
+      } else if (op <= 2) {
+        const SeqId seq = pick();
+        const index_t tokens = 1 + static_cast<index_t>(rng() % 300);
+        const auto k = test::random_rows(static_cast<std::size_t>(tokens) * kShape.kv_heads, kShape.head_dim, rng());
+        const auto v = test::random_rows(static_cast<std::size_t>(tokens) * kShape.kv_heads, kShape.head_dim, rng());
+        const auto obs = test::random_rows(static_cast<std::size_t>(rng() % 12) * kShape.q_heads, kShape.head_dim, rng());
+        cache.prefill(seq, 0, std::span<const float>(k), std::span<const float>(v), std::span<const float>(obs));
+        cache.prefill(seq, 1, std::span<const float>(k), std::span<const float>(v));
+      } else if (op <= 5) {
+        const SeqId seq = pick();
+        for (index_t layer = 0; layer < kShape.layers; ++layer) {
+          const auto k = test::random_rows(kShape.kv_heads, kShape.head_dim, rng());
+          cache.append(seq, layer, std::span<const float>(k), std::span<const float>(k), cache.last_position(seq, layer) + 1);
+        }
+      } else if (op <= 7) {
+        const SeqId seq = pick();
+        for (index_t layer = 0; layer < kShape.layers; ++layer) {
+          if (cache.length(seq, layer) == 0) continue;
+          const auto q = test::random_rows(kShape.q_heads, kShape.head_dim, rng());
+          std::vector<float> out(q.size());
+          AttendReport report;
+          if constexpr (Cache::selector_type::kReadsAllPages) {
+            cache.attend(seq, layer, std::span<const float>(q), std::span<float>(out), kScale);
+            report.read_pages.assign(kShape.kv_heads, {});
+            for (index_t s = 0; s < kShape.kv_heads; ++s) {
+              for (index_t i = 0; i < static_cast<index_t>(cache.pages(seq, layer, s).size()); ++i) report.read_pages[s].push_back(i);
+            }
+          } else {
+            cache.attend(seq, layer, std::span<const float>(q), std::span<float>(out), kScale, &report);
+            for (const auto& head : report.heads) CHECK((head.mass >= 0.0 && head.mass <= 1.0));
+          }
+          CHECK(error_against_read_back(cache, seq, layer, q, out, report) <= tolerance);
+        }
+      } else if (op == 8) {
+        live.push_back(cache.fork(pick()));
+      } else {
+        const SeqId seq = pick();
+        cache.release(seq);
+        live.erase(std::find(live.begin(), live.end(), seq));
+      }
+    } catch (const OutOfPages&) {
+      ++refused;  // a small pool: writes may be refused; the accounting below must still hold
+    }
+    std::size_t elements = 0;
+    for (SeqId seq : live) {
+      for (index_t layer = 0; layer < kShape.layers; ++layer) {
+        for (index_t s = 0; s < kShape.kv_heads; ++s) {
+          const index_t n = cache.live_tokens(seq, layer, s);
+          CHECK(n == cache.read_back(seq, layer, s).size());
+          dropped += static_cast<std::size_t>(cache.length(seq, layer) - n);
+          elements += static_cast<std::size_t>(n) * 2 * kShape.head_dim;
+        }
+      }
+    }
+    CHECK(cache.memory().stored_elements == elements);
+  }
+  // The run must have exercised both: evictions and a full pool.
+  CHECK(refused > 0);
+  CHECK(dropped > 0);
+  for (SeqId seq : live) cache.release(seq);
+  CHECK(cache.memory().total() == 0);
+  CHECK(cache.memory().pages_in_use == 0);
+}
+
+}  // namespace
+
+TEST_CASE("random operations on evicting caches keep accounting, attention and the bound right", "[evict][quest][cache]") {
+  CacheConfig small;
+  small.page_size = 16;
+  small.max_pages = 400;
+  {
+    evict::H2O<> h2o;
+    h2o.budget.tokens = 96;
+    KVCache<layout::GQA, quant::Q8_0, evict::H2O<>> cache(kShape, small, {}, {}, h2o);
+    random_run(cache, 1, 3e-2);
+  }
+  {
+    CacheConfig config = small;
+    config.tail_tokens = 32;
+    config.exact_prefix_tokens = 2;
+    evict::SnapKV<evict::Pyramid> snapkv;
+    snapkv.window = 8;
+    snapkv.budget = {80, 20};
+    select::Quest quest;
+    quest.token_budget = 48;
+    quest.dense_layers = 1;
+    KVCache<layout::GQA, quant::Float<half>, evict::SnapKV<evict::Pyramid>, select::Quest> cache(kShape, config, {}, {},
+                                                                                              snapkv, quest);
+    random_run(cache, 2, 1e-3);
+  }
+  {
+    CacheConfig config = small;
+    config.key_rope = RopeSpec{};
+    select::Quest quest;
+    quest.token_budget = 64;
+    quest.dense_layers = 0;
+    KVCache<layout::GQA, quant::Q4_0, evict::StreamingLLM<>, select::Quest> cache(
+        kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{100}}, quest);
+    random_run(cache, 3, 3e-2);
+  }
+}
