@@ -10,10 +10,14 @@
 //      the length, memory() and an attend output bit-for-bit as they were; otherwise it succeeds
 //      and attend stays finite.
 //   3. a cache with check_inputs off: the same prefill and an attend never fail nor crash.
+//   In 2 and 3, when every value is storable and within 2^20, the attend (the SIMD kernels of the best ISA
+//   here) must match exact attention over the codecs' scalar round trip within the kernels'
+//   error bound (tests/support/reference_cache.hpp, as the cache property tests).
 // Built and run by cmake/run_sanitizers.sh over the seed corpus in tests/fuzz/corpus/codec_spans.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -28,6 +32,7 @@
 #include <vector>
 
 #include "kvpack/kvpack.hpp"
+#include "support/reference_cache.hpp"
 #include "support/stream_fixture.hpp"
 
 namespace {
@@ -160,7 +165,8 @@ void run(FuzzedDataProvider& in) {
 
   // One KV head, two query heads, the page as `page` tokens.
   const ModelShape shape{1, 2, 1, head_dim};
-  const std::vector<float> query(2 * static_cast<std::size_t>(head_dim), 0.25f);
+  std::vector<float> query(2 * static_cast<std::size_t>(head_dim));
+  for (float& x : query) x = static_cast<float>(in.ConsumeIntegral<std::int8_t>()) / 16.0f;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const auto attend = [&](const auto& cache, SeqId id) {
     std::vector<float> out(query.size());
@@ -209,10 +215,26 @@ void run(FuzzedDataProvider& in) {
     cache.prefill(id, 0, std::span<const float>(keys), std::span<const float>(values));
     FUZZ_CHECK(cache.length(id, 0) == page / 2 + page);
     const std::vector<float> after = attend(cache, id);
-    // Finite when nothing is near overflow: a score or a sum of values can overflow fp32
-    // for stored values beyond about 10^37 (fp32, bf16 and FP8 store them).
-    if (storable(keys, 0x1p20f) && storable(values, 0x1p20f)) {
+    // Finite when every value is storable (check_inputs off lets others through) and nothing is
+    // near overflow: a score or a sum of values can overflow fp32 for stored values beyond about
+    // 10^37 (fp32, bf16 and FP8 store them).
+    if (storable(keys, std::min(0x1p20f, quantizer.key.max_abs_input())) &&
+        storable(values, std::min(0x1p20f, quantizer.value.max_abs_input()))) {
       for (const float x : after) FUZZ_CHECK(std::isfinite(x));
+      // The cache's kernels (the best ISA here) against exact attention over the codecs' scalar
+      // round trip, within the kernels' error bound (support/error_bound.hpp).
+      test::ReferenceCache<Quantizer> model(shape, page, 0);
+      model.add(id);
+      model.write(id, 0, first, first, page / 2 - 1);
+      model.write(id, 0, keys, values, page / 2 + page - 1);
+      std::vector<double> bounds;
+      const auto expected = model.attend(
+          cache.quantizer(), id, 0, query, scale, [&](index_t s) { return cache.codec_params(0, s); }, &bounds,
+          test::active_operands<typename Quantizer::key_codec>(),
+          test::active_operands<typename Quantizer::value_codec>());
+      for (std::size_t i = 0; i < after.size(); ++i) {
+        FUZZ_CHECK(std::fabs(after[i] - expected[i]) <= bounds[i / head_dim]);
+      }
     }
   }
 }
