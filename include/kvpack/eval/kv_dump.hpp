@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <initializer_list>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -34,15 +36,29 @@ struct KVDumpHeader {
   std::uint32_t kv_heads = 0;
   std::uint32_t head_dim = 0;
 
+  /// Both saturate at kTooLarge: a product that wrapped around 64 bits could equal a small file's
+  /// size and make read_layer allocate exabytes.
   [[nodiscard]] std::uint64_t layer_floats() const noexcept {
-    return std::uint64_t{tokens} * kv_heads * head_dim;
+    return saturating_product({std::uint64_t{tokens}, kv_heads, head_dim});
   }
   [[nodiscard]] std::uint64_t file_bytes() const noexcept {
-    return kHeaderBytes + std::uint64_t{layers} * 2 * layer_floats() * sizeof(float);
+    const std::uint64_t payload = saturating_product({layer_floats(), std::uint64_t{layers} * 2 * sizeof(float)});
+    return payload > kTooLarge - kHeaderBytes ? kTooLarge : kHeaderBytes + payload;
   }
+  static constexpr std::uint64_t kTooLarge = std::numeric_limits<std::uint64_t>::max();
   static constexpr std::array<char, 8> kMagic{'K', 'V', 'P', 'K', 'D', 'U', 'M', 'P'};
   static constexpr std::uint32_t kVersion = 1;
   static constexpr std::uint64_t kHeaderBytes = 28;
+
+ private:
+  static constexpr std::uint64_t saturating_product(std::initializer_list<std::uint64_t> factors) noexcept {
+    std::uint64_t product = 1;
+    for (const std::uint64_t f : factors) {
+      if (f != 0 && product > kTooLarge / f) return kTooLarge;
+      product *= f;
+    }
+    return product;
+  }
 };
 
 static_assert(std::endian::native == std::endian::little, "kv dumps are read and written as little-endian");
@@ -64,16 +80,24 @@ class KVDumpReader {
                  detail::message("kv dump '", path_, "' has version ", fields[0], "; this reader reads version ",
                                  KVDumpHeader::kVersion));
     header_ = {fields[1], fields[2], fields[3], fields[4]};
-    KVPACK_CHECK(header_.layers > 0 && header_.tokens > 0 && header_.kv_heads > 0 && header_.head_dim > 0,
+    // LayerKV and read_layer take the dimensions as index_t.
+    constexpr std::uint32_t kMaxDim = std::numeric_limits<index_t>::max();
+    KVPACK_CHECK(header_.layers > 0 && header_.tokens > 0 && header_.kv_heads > 0 && header_.head_dim > 0 &&
+                     header_.layers <= kMaxDim && header_.tokens <= kMaxDim && header_.kv_heads <= kMaxDim &&
+                     header_.head_dim <= kMaxDim,
                  kInvalidArgument,
-                 detail::message("kv dump '", path_, "' declares an empty shape (layers ", header_.layers, ", tokens ",
-                                 header_.tokens, ", kv_heads ", header_.kv_heads, ", head_dim ", header_.head_dim, ")"));
+                 detail::message("kv dump '", path_, "' declares a shape that is empty or beyond 2^31 - 1 (layers ",
+                                 header_.layers, ", tokens ", header_.tokens, ", kv_heads ", header_.kv_heads,
+                                 ", head_dim ", header_.head_dim, ")"));
     file_.seekg(0, std::ios::end);
     const auto size = static_cast<std::uint64_t>(file_.tellg());
     KVPACK_CHECK(size == header_.file_bytes(), kInvalidArgument,
                  detail::message("kv dump '", path_, "' is ", size, " bytes; its header (", header_.layers,
                                  " layers x ", header_.tokens, " tokens x ", header_.kv_heads, " heads x ",
-                                 header_.head_dim, ") needs exactly ", header_.file_bytes()));
+                                 header_.head_dim, ") needs ",
+                                 header_.file_bytes() == KVDumpHeader::kTooLarge
+                                     ? std::string("more than 2^64")
+                                     : detail::message("exactly ", header_.file_bytes())));
   }
 
   [[nodiscard]] const KVDumpHeader& header() const noexcept { return header_; }

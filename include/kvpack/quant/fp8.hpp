@@ -81,8 +81,10 @@ struct FP8Codec {
     return static_cast<std::size_t>(g.page_size) * static_cast<std::size_t>(g.head_dim);
   }
   [[nodiscard]] double nominal_bits_per_element(index_t) const noexcept { return 8.0; }
-  /// Saturation makes every finite input storable.
-  [[nodiscard]] float max_abs_input() const noexcept { return std::numeric_limits<float>::max(); }
+  /// Saturation stores any magnitude, but x / scale rounded up by half an fp8 step (1/8 at most)
+  /// times the scale must stay finite: beyond half of fp32's max, a calibrated scale (absmax / 200)
+  /// or a static one could decode to Inf.
+  [[nodiscard]] float max_abs_input() const noexcept { return std::numeric_limits<float>::max() / 2; }
 
   [[nodiscard]] ScaleGranularity granularity() const noexcept { return options.granularity; }
   [[nodiscard]] bool calibrates() const noexcept { return options.calibrate; }

@@ -358,11 +358,15 @@ TEST_CASE("bad input: magnitudes the codec cannot store", "[cache][bad-input]") 
                     "exceeds what this codec stores");
   }
   {
-    // FP8 saturates: every finite value is storable, so a huge one is accepted.
+    // FP8 saturates, so a huge value is accepted; beyond half of fp32's max one could decode to
+    // Inf (tests/unit/quant/test_fp8.cpp), so it is rejected.
     Bench<quant::FP8<quant::E4M3FN>> b;
     auto k = rows(kShape.kv_heads, 1);
     k[3] = 1e30f;
     CHECK_NOTHROW(b.cache.append(b.target, 0, view(k), view(k), 20));
+    k[3] = std::numeric_limits<float>::max();
+    expect_rejected(b, [&] { b.cache.append(b.target, 0, view(k), view(k), 21); }, ErrorCode::kOutOfRange,
+                    "exceeds what this codec stores (|x| <= 170141173319264429905852091742258462720");
   }
 }
 

@@ -73,3 +73,23 @@ TEST_CASE("malformed kv dumps are rejected with the file's name and the reason",
   CHECK_THROWS_WITH(KVDumpReader(path), Catch::Contains("version 2"));
   std::filesystem::remove(path);
 }
+
+// Found by tests/fuzz/fuzz_kv_dump.cpp: 1 layer x 2^30 tokens x 2^30 heads x 4 channels needs
+// 2^65 bytes, which wrapped to 0, so a bare 28-byte header passed the size check and
+// read_layer(0) asked for 2^62 floats (std::length_error, not a kvpack::Error).
+TEST_CASE("a kv dump header whose size does not fit in 64 bits is rejected", "[eval][kv_dump]") {
+  const std::string path = temp_path("dump_huge.bin");
+  auto write_header = [&](std::uint32_t layers, std::uint32_t tokens, std::uint32_t heads, std::uint32_t dim) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    const std::uint32_t fields[5]{1, layers, tokens, heads, dim};
+    f.write("KVPKDUMP", 8);
+    f.write(reinterpret_cast<const char*>(fields), sizeof(fields));
+  };
+  write_header(1, 1u << 30, 1u << 30, 4);
+  CHECK_THROWS_WITH(KVDumpReader(path), Catch::Contains("needs more than 2^64"));
+  write_header(2, 1u << 31, 1, 1);  // fits in 64 bits, but not in index_t
+  CHECK_THROWS_WITH(KVDumpReader(path), Catch::Contains("beyond 2^31 - 1"));
+  CHECK(KVDumpHeader{1, 1u << 30, 1u << 30, 4}.file_bytes() == KVDumpHeader::kTooLarge);
+  CHECK(KVDumpHeader{3, 5, 2, 4}.file_bytes() == 28 + 3 * 2 * 40 * 4);
+  std::filesystem::remove(path);
+}

@@ -104,7 +104,8 @@ TEMPLATE_TEST_CASE("FP8 plane size, rate and name", "[quant]", E4M3Key, E4M3Valu
       CHECK(codec.nominal_bits_per_element(gg.head_dim) == implied_bits_per_element(codec, gg));
     }
   }
-  CHECK(codec.max_abs_input() == std::numeric_limits<float>::max());  // saturation stores anything
+  // Saturation stores anything up to half fp32's max (see the test of finite decoding below).
+  CHECK(codec.max_abs_input() == std::numeric_limits<float>::max() / 2);
 }
 
 TEMPLATE_TEST_CASE("FP8 page bytes are the fp8 codes of x / scale at the documented positions", "[quant]",
@@ -331,4 +332,29 @@ TEMPLATE_TEST_CASE("FP8 params_from_absmax gives a finite positive scale for any
     CHECK(out[0] == 0.0f);
     CHECK(out[3] == 0.0f);
   }
+}
+
+// Found by tests/fuzz/fuzz_codec_spans.cpp (a page holding FLT_MAX decoded to Inf): with
+// max_abs_input at fp32's max, a page whose largest value was e.g. 0.98 · FLT_MAX calibrated to
+// scale absmax / 200, that value over the scale came to just above 200 and rounded up to the
+// code 208, and 208 · scale is Inf; a static scale of FLT_MAX / 1.97 took FLT_MAX to 2.0 · scale.
+TEMPLATE_TEST_CASE("FP8 decodes every input up to max_abs_input to a finite value", "[quant]", E4M3Key, E4M3Value,
+                   E5M2Key, E5M2Value) {
+  const TestType codec{};
+  const float top = codec.max_abs_input();
+  const PageGeometry g{2, 4};
+  const std::vector<float> src = {top, -top, std::nextafter(top, 0.0f), top * 0.98f,
+                                  top * 0.51f, -top * 0.9f, top / 3, 1.0f};
+  for (const FP8Params params : {codec.params_from_absmax(top), codec.params_from_absmax(top * 0.98f),
+                                 FP8Params{top / 1.97f}, FP8Params{top / 200},
+                                 FP8Params{1.0f}, FP8Params{std::numeric_limits<float>::max()}}) {
+    INFO("scale " << params.scale);
+    const std::vector<std::byte> plane = encode_checked(codec, g, src.data(), g.head_dim, params);
+    const std::vector<float> out = decode_checked(codec, g, plane.data(), params);
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      INFO("x = " << src[i]);
+      CHECK(std::isfinite(out[i]));
+    }
+  }
+  CHECK(top >= 1e38f);  // still far beyond any real K or V: FP8 saturates rather than rejects
 }
