@@ -175,6 +175,27 @@ inline constexpr index_t kMaxGroup = 64;
 /// Channels the split query of one head may have on the stack.
 inline constexpr index_t kMaxHeadDim = kPreparedFloats / 2;
 
+/// Adds summary block `src` (16 floats) times block `block` of each head's split query into
+/// logical accumulator `a`, and |src| into the summary's abs accumulator. (A function, not a
+/// lambda, so always_inline puts it in each target variant.)
+template <class V, index_t kHeads, index_t kAcc, index_t kParts>
+KVPACK_QUEST_INLINE void add_block(V (&acc)[kHeads][kAcc][kParts], V (&abs_acc)[kAcc][kParts], const float* src,
+                                   const float* prepared, index_t stride, index_t block, index_t a) noexcept {
+  using Int = typename VecTraits<V>::Int;
+  constexpr index_t kWidth = static_cast<index_t>(sizeof(V) / sizeof(float));
+  const Int no_sign = Int{} + 0x7fffffff;
+  for (index_t part = 0; part < kParts; ++part) {
+    V s;
+    __builtin_memcpy(&s, src + part * kWidth, sizeof(s));
+    abs_acc[a][part] += reinterpret_cast<V>(reinterpret_cast<Int>(s) & no_sign);
+    for (index_t h = 0; h < kHeads; ++h) {
+      V q;
+      __builtin_memcpy(&q, prepared + h * stride + block * kLanes + part * kWidth, sizeof(q));
+      acc[h][a][part] += q * s;
+    }
+  }
+}
+
 /// Bounds of `pages` pages for heads [0, kHeads) of `prepared` ([kHeads][blocks·16]: q⁻ row then
 /// q⁺ row, zero-padded), with kAcc logical accumulators per head, each 16 lanes in vectors V
 /// (AVX-512: two of one zmm, enough chains to hide the FMA latency; AVX2: one of two ymm, so
@@ -183,25 +204,8 @@ template <class V, index_t kHeads, index_t kAcc>
 KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index_t head_dim,
                                     const float* const* summaries, std::size_t pages, float* bounds /*[kHeads][pages]*/,
                                     float* abs_out) noexcept {
-  using Int = typename VecTraits<V>::Int;
-  constexpr index_t kWidth = static_cast<index_t>(sizeof(V) / sizeof(float));
-  constexpr index_t kParts = kLanes / kWidth;
+  constexpr index_t kParts = kLanes / static_cast<index_t>(sizeof(V) / sizeof(float));
   const index_t full = (2 * head_dim) / kLanes;  // whole blocks in the summary
-  const Int no_sign = Int{} + 0x7fffffff;
-  // Block `block` of summary row `src` into logical accumulator `a`.
-  const auto add_block = [&](V (&acc)[kHeads][kAcc][kParts], V (&abs_acc)[kAcc][kParts], const float* src,
-                             index_t block, index_t a) {
-    for (index_t part = 0; part < kParts; ++part) {
-      V s;
-      __builtin_memcpy(&s, src + part * kWidth, sizeof(s));
-      abs_acc[a][part] += reinterpret_cast<V>(reinterpret_cast<Int>(s) & no_sign);
-      for (index_t h = 0; h < kHeads; ++h) {
-        V q;
-        __builtin_memcpy(&q, prepared + h * stride + block * kLanes + part * kWidth, sizeof(q));
-        acc[h][a][part] += q * s;
-      }
-    }
-  };
   // Summaries sit in page metadata, one pointer each: the hardware prefetcher cannot follow
   // them, so fetch a few pages ahead while this one is scored.
   constexpr std::size_t kAhead = 8;
@@ -216,14 +220,16 @@ KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index
     V abs_acc[kAcc][kParts] = {};
     index_t b = 0;
     for (; b + kAcc <= full; b += kAcc) {
-      for (index_t a = 0; a < kAcc; ++a) add_block(acc, abs_acc, summary + (b + a) * kLanes, b + a, a);
+      for (index_t a = 0; a < kAcc; ++a) add_block(acc, abs_acc, summary + (b + a) * kLanes, prepared, stride, b + a, a);
     }
     const index_t left = 2 * head_dim - b * kLanes;  // < (kAcc + 1) blocks
     if (left > 0) {
       // The last blocks, copied into zero-padded ones (the query rows are padded too).
       float tail[(kAcc + 1) * kLanes] = {};
       __builtin_memcpy(tail, summary + b * kLanes, static_cast<std::size_t>(left) * sizeof(float));
-      for (index_t i = 0; i * kLanes < left; ++i) add_block(acc, abs_acc, tail + i * kLanes, b + i, i % kAcc);
+      for (index_t i = 0; i * kLanes < left; ++i) {
+        add_block(acc, abs_acc, tail + i * kLanes, prepared, stride, b + i, i % kAcc);
+      }
     }
     for (index_t h = 0; h < kHeads; ++h) {
       for (index_t a = 1; a < kAcc; ++a) {
