@@ -129,6 +129,8 @@ using Vec16 = float __attribute__((vector_size(64)));
 using Int16 = std::int32_t __attribute__((vector_size(64)));
 using Vec8 = float __attribute__((vector_size(32)));
 using Int8 = std::int32_t __attribute__((vector_size(32)));
+using Vec4 = float __attribute__((vector_size(16)));
+using Vec2 = float __attribute__((vector_size(8)));
 inline constexpr index_t kLanes = 16;
 
 template <class V>
@@ -147,12 +149,19 @@ struct VecTraits<Vec8> {
 template <class V, index_t kParts>
 KVPACK_QUEST_INLINE float sum16(const V (&parts)[kParts]) noexcept {
   static_assert(sizeof(V) * kParts == kLanes * sizeof(float));
-  float lanes[kLanes];
-  __builtin_memcpy(lanes, parts, sizeof(lanes));
-  for (index_t width = kLanes / 2; width >= 1; width /= 2) {
-    for (index_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  // Level 1 (lanes j and j + 8) as one 8-wide add, then 4, 2, 1 with shuffles: the same order
+  // as a scalar tree, without spilling the lanes to memory.
+  Vec8 w;
+  if constexpr (kParts == 1) {
+    w = __builtin_shufflevector(parts[0], parts[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+        __builtin_shufflevector(parts[0], parts[0], 8, 9, 10, 11, 12, 13, 14, 15);
+  } else {
+    static_assert(kParts == 2);
+    w = parts[0] + parts[1];
   }
-  return lanes[0];
+  const Vec4 x = __builtin_shufflevector(w, w, 0, 1, 2, 3) + __builtin_shufflevector(w, w, 4, 5, 6, 7);
+  const Vec2 y = __builtin_shufflevector(x, x, 0, 1) + __builtin_shufflevector(x, x, 2, 3);
+  return y[0] + y[1];
 }
 
 /// Relative float rounding of the bound. With the query split as q⁻ = min(q, 0) against the min
