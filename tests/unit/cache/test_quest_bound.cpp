@@ -566,7 +566,10 @@ TEST_CASE("Quest end to end on q4_0 pages: select, attend the selected pages, bo
   const std::span<const PageId> ids = cache.pages(seq, 0, 0);
   const index_t pages = static_cast<index_t>(ids.size());
   REQUIRE(pages * page_size == tokens);  // no tail: every token is in a page
-  const auto [key_params, value_params] = cache.codec_params(0, 0);
+  // Not a structured binding: clang 14 cannot capture one in the lambda below.
+  const auto params = cache.codec_params(0, 0);
+  const auto key_params = params.first;
+  const auto value_params = params.second;
   std::vector<float> decoded(static_cast<std::size_t>(tokens) * d);
   std::vector<float> summaries(static_cast<std::size_t>(pages) * 2 * d);
   std::vector<const float*> summary_of(pages);
