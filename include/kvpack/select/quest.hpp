@@ -55,6 +55,10 @@ struct Quest {
   /// Per-channel min and max as fp32 (2·head_dim floats: exact for every decoded key, so the
   /// bound needs no rounding allowance for the summary itself), then two floats for the
   /// certified bound: the largest value norm in the page and the tokens that lived in it.
+  /// Every step scans every page's box: at page 32 and head_dim 128 that is 1 KiB against a
+  /// 16 KiB fp16 page (1/16) but a 4.5 KiB q4_0 page (~1/4.5), which caps Quest's byte saving on
+  /// small codecs. NOTE(quest): fp16 boxes rounded outward (min down, max up) would halve it and
+  /// stay a valid bound.
   [[nodiscard]] std::size_t summary_bytes(index_t /*page_size*/, index_t head_dim) const noexcept {
     return (2 * static_cast<std::size_t>(head_dim > 0 ? head_dim : 0) + 2) * sizeof(float);
   }
@@ -127,6 +131,8 @@ using Vec16 = float __attribute__((vector_size(64)));
 using Int16 = std::int32_t __attribute__((vector_size(64)));
 using Vec8 = float __attribute__((vector_size(32)));
 using Int8 = std::int32_t __attribute__((vector_size(32)));
+using Vec4 = float __attribute__((vector_size(16)));
+using Vec2 = float __attribute__((vector_size(8)));
 inline constexpr index_t kLanes = 16;
 
 template <class V>
@@ -145,12 +151,19 @@ struct VecTraits<Vec8> {
 template <class V, index_t kParts>
 KVPACK_QUEST_INLINE float sum16(const V (&parts)[kParts]) noexcept {
   static_assert(sizeof(V) * kParts == kLanes * sizeof(float));
-  float lanes[kLanes];
-  __builtin_memcpy(lanes, parts, sizeof(lanes));
-  for (index_t width = kLanes / 2; width >= 1; width /= 2) {
-    for (index_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  // Level 1 (lanes j and j + 8) as one 8-wide add, then 4, 2, 1 with shuffles: the same order
+  // as a scalar tree, without spilling the lanes to memory.
+  Vec8 w;
+  if constexpr (kParts == 1) {
+    w = __builtin_shufflevector(parts[0], parts[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+        __builtin_shufflevector(parts[0], parts[0], 8, 9, 10, 11, 12, 13, 14, 15);
+  } else {
+    static_assert(kParts == 2);
+    w = parts[0] + parts[1];
   }
-  return lanes[0];
+  const Vec4 x = __builtin_shufflevector(w, w, 0, 1, 2, 3) + __builtin_shufflevector(w, w, 4, 5, 6, 7);
+  const Vec2 y = __builtin_shufflevector(x, x, 0, 1) + __builtin_shufflevector(x, x, 2, 3);
+  return y[0] + y[1];
 }
 
 /// Relative float rounding of the bound. With the query split as q⁻ = min(q, 0) against the min
@@ -176,6 +189,27 @@ inline constexpr index_t kMaxGroup = 64;
 /// Channels the split query of one head may have on the stack.
 inline constexpr index_t kMaxHeadDim = kPreparedFloats / 2;
 
+/// Adds summary block `src` (16 floats) times block `block` of each head's split query into
+/// logical accumulator `a`, and |src| into the summary's abs accumulator. (A function, not a
+/// lambda, so always_inline puts it in each target variant.)
+template <class V, index_t kHeads, index_t kAcc, index_t kParts>
+KVPACK_QUEST_INLINE void add_block(V (&acc)[kHeads][kAcc][kParts], V (&abs_acc)[kAcc][kParts], const float* src,
+                                   const float* prepared, index_t stride, index_t block, index_t a) noexcept {
+  using Int = typename VecTraits<V>::Int;
+  constexpr index_t kWidth = static_cast<index_t>(sizeof(V) / sizeof(float));
+  const Int no_sign = Int{} + 0x7fffffff;
+  for (index_t part = 0; part < kParts; ++part) {
+    V s;
+    __builtin_memcpy(&s, src + part * kWidth, sizeof(s));
+    abs_acc[a][part] += reinterpret_cast<V>(reinterpret_cast<Int>(s) & no_sign);
+    for (index_t h = 0; h < kHeads; ++h) {
+      V q;
+      __builtin_memcpy(&q, prepared + h * stride + block * kLanes + part * kWidth, sizeof(q));
+      acc[h][a][part] += q * s;
+    }
+  }
+}
+
 /// Bounds of `pages` pages for heads [0, kHeads) of `prepared` ([kHeads][blocks·16]: q⁻ row then
 /// q⁺ row, zero-padded), with kAcc logical accumulators per head, each 16 lanes in vectors V
 /// (AVX-512: two of one zmm, enough chains to hide the FMA latency; AVX2: one of two ymm, so
@@ -184,25 +218,8 @@ template <class V, index_t kHeads, index_t kAcc>
 KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index_t head_dim,
                                     const float* const* summaries, std::size_t pages, float* bounds /*[kHeads][pages]*/,
                                     float* abs_out) noexcept {
-  using Int = typename VecTraits<V>::Int;
-  constexpr index_t kWidth = static_cast<index_t>(sizeof(V) / sizeof(float));
-  constexpr index_t kParts = kLanes / kWidth;
+  constexpr index_t kParts = kLanes / static_cast<index_t>(sizeof(V) / sizeof(float));
   const index_t full = (2 * head_dim) / kLanes;  // whole blocks in the summary
-  const Int no_sign = Int{} + 0x7fffffff;
-  // Block `block` of summary row `src` into logical accumulator `a`.
-  const auto add_block = [&](V (&acc)[kHeads][kAcc][kParts], V (&abs_acc)[kAcc][kParts], const float* src,
-                             index_t block, index_t a) {
-    for (index_t part = 0; part < kParts; ++part) {
-      V s;
-      __builtin_memcpy(&s, src + part * kWidth, sizeof(s));
-      abs_acc[a][part] += reinterpret_cast<V>(reinterpret_cast<Int>(s) & no_sign);
-      for (index_t h = 0; h < kHeads; ++h) {
-        V q;
-        __builtin_memcpy(&q, prepared + h * stride + block * kLanes + part * kWidth, sizeof(q));
-        acc[h][a][part] += q * s;
-      }
-    }
-  };
   // Summaries sit in page metadata, one pointer each: the hardware prefetcher cannot follow
   // them, so fetch a few pages ahead while this one is scored.
   constexpr std::size_t kAhead = 8;
@@ -217,14 +234,16 @@ KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index
     V abs_acc[kAcc][kParts] = {};
     index_t b = 0;
     for (; b + kAcc <= full; b += kAcc) {
-      for (index_t a = 0; a < kAcc; ++a) add_block(acc, abs_acc, summary + (b + a) * kLanes, b + a, a);
+      for (index_t a = 0; a < kAcc; ++a) add_block(acc, abs_acc, summary + (b + a) * kLanes, prepared, stride, b + a, a);
     }
     const index_t left = 2 * head_dim - b * kLanes;  // < (kAcc + 1) blocks
     if (left > 0) {
       // The last blocks, copied into zero-padded ones (the query rows are padded too).
       float tail[(kAcc + 1) * kLanes] = {};
       __builtin_memcpy(tail, summary + b * kLanes, static_cast<std::size_t>(left) * sizeof(float));
-      for (index_t i = 0; i * kLanes < left; ++i) add_block(acc, abs_acc, tail + i * kLanes, b + i, i % kAcc);
+      for (index_t i = 0; i * kLanes < left; ++i) {
+        add_block(acc, abs_acc, tail + i * kLanes, prepared, stride, b + i, i % kAcc);
+      }
     }
     for (index_t h = 0; h < kHeads; ++h) {
       for (index_t a = 1; a < kAcc; ++a) {

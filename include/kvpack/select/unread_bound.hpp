@@ -15,8 +15,10 @@
 /// What "certified" covers: exact arithmetic on the decoded keys (the summaries are of decoded
 /// keys; quest.hpp's bounds include their own float rounding), and the m and Z_read the caller
 /// passes. Z_read comes from a kernel with its own rounding; it is taken 2^-20 (relative) lower
-/// here, which covers fp32 accumulation, not a kernel's approximate scores (an int8-quantized
-/// query moves Z by its score error, which the kernel tests bound separately).
+/// here, which covers a few ulps of fp32 rounding in Z, not the worst case of a long fp32 sum
+/// (n·2^-24 relative for n tokens) nor a kernel's approximate scores (an int8-quantized query
+/// moves Z by its score error, which the kernel tests bound); a caller that needs those covered
+/// passes Z_read lowered by its kernel's error bound.
 
 #include <algorithm>
 #include <cmath>
