@@ -327,7 +327,7 @@ class KVCache {
       reading.resize(table.size());
       std::iota(reading.begin(), reading.end(), 0);
       if constexpr (kSummarizes) {
-        if (select_pages || report != nullptr) page_bounds(table, scaled_queries, group, head_bounds);
+        if (select_pages || report != nullptr) page_bounds(table, scaled_queries, group, report != nullptr, head_bounds);
         if (select_pages) {
           const index_t keep = selector_.pages_to_read(static_cast<index_t>(table.size()), config_.page_size);
           reading.resize(static_cast<std::size_t>(
@@ -1412,17 +1412,17 @@ class KVCache {
     return static_cast<float>(std::sqrt(sum) * (1.0 + 0x1p-20));
   }
 
-  /// Bounds of every page of a stream: [group][pages] per head, then [pages] for the group.
-  void page_bounds(const std::vector<PageId>& table, std::span<const float> queries, index_t group,
+  /// Bounds of every page of a stream: [group][pages] per head (only with `per_head`: the
+  /// certified bound needs them, selection does not), then [pages] for the group.
+  void page_bounds(const std::vector<PageId>& table, std::span<const float> queries, index_t group, bool per_head,
                    std::vector<float>& bounds) const {
     thread_local std::vector<const float*> summaries;
     summaries.resize(table.size());
     for (std::size_t i = 0; i < table.size(); ++i) summaries[i] = summary_of(table[i]);
     bounds.resize((static_cast<std::size_t>(group) + 1) * table.size());
     const std::span<float> all(bounds);
-    select::group_page_bounds(queries, group, key_dim_, summaries,
-                              all.first(static_cast<std::size_t>(group) * table.size()), all.last(table.size()),
-                              selector_.group_bound);
+    const std::span<float> heads = per_head ? all.first(static_cast<std::size_t>(group) * table.size()) : std::span<float>{};
+    select::group_page_bounds(queries, group, key_dim_, summaries, heads, all.last(table.size()), selector_.group_bound);
   }
 
   /// The certified bound for one stream's heads after attend read the pages `reading` and the

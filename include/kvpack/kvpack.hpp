@@ -30,4 +30,5 @@
 #include "kvpack/quant/q8_0.hpp"
 #include "kvpack/quant/turboquant.hpp"
 #include "kvpack/select/dense.hpp"
+#include "kvpack/select/quest.hpp"
 #include "kvpack/version.hpp"
