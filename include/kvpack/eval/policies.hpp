@@ -8,6 +8,7 @@
 /// calls here cost nothing next to attention but hide the concrete type.
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -39,7 +40,11 @@ class AnyCache {
                       float scale) const = 0;
   [[nodiscard]] virtual SeqId fork(SeqId seq) = 0;
   virtual void release(SeqId seq) = 0;
+  /// Positions [first, last] of `seq` that no evictor drops (a no-op for caches that keep all).
+  virtual void pin(SeqId seq, std::int64_t first, std::int64_t last) = 0;
   [[nodiscard]] virtual index_t length(SeqId seq, index_t layer) const = 0;
+  /// Tokens of one KV stream not evicted; length() for caches that keep all.
+  [[nodiscard]] virtual index_t live_tokens(SeqId seq, index_t layer, index_t stream) const = 0;
   [[nodiscard]] virtual MemoryUsage memory() const noexcept = 0;
   [[nodiscard]] virtual StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const = 0;
   /// The quantizer's documented rate (key and value planes averaged), metadata included.
@@ -75,7 +80,11 @@ class CacheAdapter final : public AnyCache {
   }
   [[nodiscard]] SeqId fork(SeqId seq) override { return cache_.fork(seq); }
   void release(SeqId seq) override { cache_.release(seq); }
+  void pin(SeqId seq, std::int64_t first, std::int64_t last) override { cache_.pin(seq, first, last); }
   [[nodiscard]] index_t length(SeqId seq, index_t layer) const override { return cache_.length(seq, layer); }
+  [[nodiscard]] index_t live_tokens(SeqId seq, index_t layer, index_t stream) const override {
+    return cache_.live_tokens(seq, layer, stream);
+  }
   [[nodiscard]] MemoryUsage memory() const noexcept override { return cache_.memory(); }
   [[nodiscard]] StoredTokens read_back(SeqId seq, index_t layer, index_t stream) const override {
     return cache_.read_back(seq, layer, stream);
@@ -135,6 +144,10 @@ struct Policy {
   Factory factory;
   /// needs_inputs: the policy cannot be built without PolicyInputs (KVQuant's calibration).
   bool needs_inputs = false;
+  /// Tokens one KV stream keeps once its evictor has run (the mean over layers for a sloped
+  /// budget); 0 for policies that keep every token. Reports state it in tokens and as a share
+  /// of each context (EVAL.md §3).
+  index_t budget_tokens = 0;
 
   [[nodiscard]] std::unique_ptr<AnyCache> make(const ModelShape& shape, CacheConfig config,
                                                const PolicyInputs& inputs = {}) const {
@@ -144,18 +157,25 @@ struct Policy {
 
 /// A Policy for KVCache<layout::GQA, Quantizer, Evictor, Selector>. `residual_tokens`: the
 /// full-precision window the method is defined with (KIVI's R); the cache's tail is raised to
-/// it (rounded up to whole pages) when the caller's config asks for less.
+/// it (rounded up to whole pages) when the caller's config asks for less. `evictor`: the
+/// instance every cache of the policy is built with (its budget and window).
 template <class Quantizer, class Evictor = evict::KeepAll, class Selector = select::DenseRead>
-Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}, index_t residual_tokens = 0) {
+Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}, index_t residual_tokens = 0,
+                   Evictor evictor = {}) {
   using Cache = KVCache<layout::GQA, Quantizer, Evictor, Selector>;
-  return {std::move(name), std::move(description),
-          [quantizer, residual_tokens](const ModelShape& shape, CacheConfig config,
-                                       const PolicyInputs&) -> std::unique_ptr<AnyCache> {
-            if (config.tail_tokens < residual_tokens && config.page_size > 0) {
-              config.tail_tokens = (residual_tokens + config.page_size - 1) / config.page_size * config.page_size;
-            }
-            return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config), quantizer);
-          }};
+  Policy policy{std::move(name), std::move(description),
+                [quantizer, residual_tokens, evictor](const ModelShape& shape, CacheConfig config,
+                                                      const PolicyInputs&) -> std::unique_ptr<AnyCache> {
+                  if (config.tail_tokens < residual_tokens && config.page_size > 0) {
+                    config.tail_tokens = (residual_tokens + config.page_size - 1) / config.page_size * config.page_size;
+                  }
+                  return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config), quantizer, layout::GQA{},
+                                                               evictor);
+                }};
+  if constexpr (Evictor::kDropsTokens && requires { evictor.budget.tokens; }) {
+    policy.budget_tokens = evictor.budget.tokens;
+  }
+  return policy;
 }
 
 /// KVQuant as published (ALGORITHMS.md §2): nuq`Bits` with 1 % exact outliers, keys stored before
@@ -210,8 +230,14 @@ Policy make_kvquant_policy() {
   return policy;
 }
 
+/// Tokens per KV stream the built-in evictor policies keep: below the needle's default contexts
+/// (25 % of 2K, 12.5 % of 4K), so the failure case shows what eviction drops.
+inline constexpr index_t kEvictionBudgetTokens = 512;
+
 /// Every built-in policy, full precision first. New policies add themselves here.
 inline std::vector<Policy> builtin_policies() {
+  constexpr index_t budget = kEvictionBudgetTokens;
+  const std::string tokens = std::to_string(budget) + " tokens per KV stream";
   return {
       make_policy<quant::Float<float>>("f32", "Float<float>"),
       make_policy<quant::Float<half>>("f16", "Float<half>"),
@@ -236,6 +262,19 @@ inline std::vector<Policy> builtin_policies() {
       make_policy<quant::TurboQuant<6, quant::TurboVariant::kProd>>("turbo-3-prod",
                                                                      "TurboQuant<3 bits>, Prod keys, MSE values"),
       make_policy<quant::QJL<>>("qjl", "QJL keys (m = 2·head_dim sign bits), TurboQuant-3 values"),
+      // Eviction over fp16 pages, one budget for all: what is dropped is gone, whatever the codec.
+      make_policy<quant::Float<half>>("streaming-llm", "StreamingLLM: 4 sinks + recent, " + tokens + ", Float<half>", {},
+                                      0, evict::StreamingLLM<>{4, evict::Uniform{budget}}),
+      make_policy<quant::Float<half>>("h2o", "H2O: half recent, half heavy hitters, " + tokens + ", Float<half>", {}, 0,
+                                      evict::H2O<>{evict::Uniform{budget}}),
+      make_policy<quant::Float<half>>("snapkv", "SnapKV: window 32, max-pool 7, " + tokens + ", Float<half>", {}, 0,
+                                      evict::SnapKV<>{.budget = evict::Uniform{budget}}),
+      // One layer (the synthetic harnesses) has no slope: there PyramidKV keeps what SnapKV keeps.
+      make_policy<quant::Float<half>>("pyramidkv",
+                                      "SnapKV with Pyramid<beta 20>: " + tokens + " on average over layers, Float<half>",
+                                      {}, 0, evict::SnapKV<evict::Pyramid>{.budget = evict::Pyramid{budget, 20}}),
+      make_policy<quant::Q4_0>("snapkv+q4_0", "SnapKV as above over Q4_0 pages, " + tokens, {}, 0,
+                               evict::SnapKV<>{.budget = evict::Uniform{budget}}),
   };
 }
 

@@ -118,3 +118,48 @@ TEST_CASE("KIVI policies keep their published residual of 128 full-precision tok
   CHECK(find_policy("kivi-4").make(shape, pages_of_96)->config().tail_tokens == 192);  // whole pages
   CHECK(find_policy("q4_0").make(shape, {})->config().tail_tokens == 0);
 }
+
+TEST_CASE("the evictor policies are built in and evict each KV stream to their budget", "[eval][policies][evict]") {
+  const ModelShape shape{1, 8, 2, 64};
+  constexpr index_t kTokens = 2048, kWindow = 8;
+  const auto keys = test::random_rows(kTokens * 2, 64, 6);
+  const auto values = test::random_rows(kTokens * 2, 64, 7);
+  const auto window = test::random_rows(kWindow * 8, 64, 8);  // SnapKV and H2O score with it
+  const auto full = find_policy("f16").make(shape, {});
+  const SeqId full_seq = full->add_sequence();
+  full->prefill(full_seq, 0, std::span<const float>(keys), std::span<const float>(values));
+  for (const char* name : {"streaming-llm", "h2o", "snapkv", "pyramidkv", "snapkv+q4_0"}) {
+    INFO(name);
+    const Policy policy = find_policy(name);
+    CHECK(policy.budget_tokens == kEvictionBudgetTokens);
+    CHECK_THAT(policy.description, Catch::Contains(std::to_string(kEvictionBudgetTokens) + " tokens"));
+    const auto cache = policy.make(shape, {});
+    const SeqId seq = cache->add_sequence();
+    cache->prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values), std::span<const float>(window));
+    CHECK(cache->length(seq, 0) == kTokens);
+    for (index_t stream = 0; stream < 2; ++stream) CHECK(cache->live_tokens(seq, 0, stream) == policy.budget_tokens);
+    CHECK(cache->memory().stored_elements == static_cast<std::size_t>(policy.budget_tokens) * 2 * 64 * 2);
+    CHECK(cache->memory().total() < full->memory().total() / 2);  // a quarter of the tokens kept
+  }
+  // Policies that keep every token say so, and accept pins.
+  CHECK(find_policy("q4_0").budget_tokens == 0);
+  full->pin(full_seq, 0, 10);
+  CHECK(full->live_tokens(full_seq, 0, 1) == kTokens);
+}
+
+TEST_CASE("a pinned span survives an evictor policy", "[eval][policies][evict]") {
+  const ModelShape shape{1, 4, 1, 32};
+  const auto keys = test::random_rows(1024, 32, 9);
+  const auto values = test::random_rows(1024, 32, 10);
+  const auto cache = find_policy("streaming-llm").make(shape, {});
+  const SeqId seq = cache->add_sequence();
+  cache->pin(seq, 300, 309);  // far from the sinks and the recent window
+  cache->prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+  const StoredTokens stored = cache->read_back(seq, 0, 0);
+  // The budget, give or take the pins (which count towards it or come on top, per evictor).
+  CHECK(stored.size() >= kEvictionBudgetTokens);
+  CHECK(stored.size() <= kEvictionBudgetTokens + 10);
+  for (std::int32_t position = 300; position <= 309; ++position) {
+    CHECK(std::count(stored.positions.begin(), stored.positions.end(), position) == 1);
+  }
+}
