@@ -11,7 +11,7 @@
 namespace kvpack::inline v0::evict {
 
 /// StreamingLLM (ALGORITHMS.md §8): keeps `sinks` first tokens and the most recent ones up to the
-/// budget, after every write. Positions: the slots keep the positions they were written with, so
+/// budget, after every write (pinned tokens count towards the budget and shorten the window). Positions: the slots keep the positions they were written with, so
 /// keys stored after RoPE stay exactly as the model rotated them (the "prefill-only" variant of
 /// §8.2); the original method's re-rotation to in-cache indices is not done here — callers who want
 /// it store keys before RoPE and pass in-cache positions themselves.
@@ -34,10 +34,16 @@ struct StreamingLLM {
     KVPACK_CHECK(sinks >= 0, kInvalidConfig, detail::message("evict::StreamingLLM.sinks must be >= 0, got ", sinks));
     budget.validate(sinks);
   }
+  /// The sinks and the pinned tokens, then the most recent ones until the budget is full: pins
+  /// count towards it, as with the other evictors.
   void choose(const StreamTokens& tokens, std::span<std::uint8_t> keep) const {
     const index_t first = std::max<index_t>(0, sinks - tokens.exact_prefix);
-    const index_t recent = std::max<index_t>(0, tokens.capacity - first);
-    ranking::keep_fixed(tokens, first, recent, keep);
+    index_t kept = ranking::keep_fixed(tokens, first, 0, keep);
+    for (index_t i = tokens.size() - 1; i >= 0 && kept < tokens.capacity; --i) {
+      if (keep[i] != 0) continue;
+      keep[i] = 1;
+      ++kept;
+    }
   }
   friend constexpr bool operator==(const StreamingLLM&, const StreamingLLM&) = default;
 };
