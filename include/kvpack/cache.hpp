@@ -213,9 +213,18 @@ class KVCache {
                  static_cast<index_t>(tokens), static_cast<std::int32_t>(first), "prefill");
     if constexpr (kEvicts) {
       if constexpr (Evictor::kUsesObservation) {
-        if (!observation_queries.empty()) add_observation_scores(state, layer, as_floats(observation_queries, 2));
+        if (!observation_queries.empty()) {
+          // After the write: scoring must not fail the call. Without memory for it, the tokens
+          // keep the scores they had (0 for new ones).
+          try {
+            add_observation_scores(state, layer, as_floats(observation_queries, 2));
+          } catch (const std::bad_alloc&) {
+          }
+        }
       }
-      evict_layer(sequence, state, layer);
+      // SnapKV decides only when the window scored the tokens; H2O and StreamingLLM always.
+      evict_layer(sequence, state, layer,
+                  !uses_observation_only() || !observation_queries.empty());
     }
   }
 
@@ -1101,6 +1110,13 @@ class KVCache {
   /// Lets every stream of a layer over its budget drop tokens. Never throws: it runs after a
   /// write has committed, so when memory runs short (bad_alloc, or no page to copy a shared one
   /// into) it leaves tokens alive and the next write tries again.
+  /// Whether the evictor ranks tokens by the observation window alone (SnapKV), so a prefill
+  /// without one gives it nothing to decide on.
+  static constexpr bool uses_observation_only() noexcept {
+    if constexpr (Evictor::kDropsTokens) return Evictor::kUsesObservation && !Evictor::kNeedsScores;
+    return false;
+  }
+
   /// `choose`: whether the evictor decides now (else only pages left empty by earlier decisions
   /// are freed: tail rows dropped before they were encoded into a summarized page).
   void evict_layer(const Sequence& sequence, LayerState& state, index_t layer, bool choose = true) noexcept {
@@ -1118,7 +1134,9 @@ class KVCache {
 
   void evict_stream(const Sequence& sequence, LayerState& state, index_t layer, index_t s) {
     StreamEviction& stream = state.eviction[s];
-    const index_t budget = evictor_.capacity(layer, cache_layers_, stream.live_tokens);
+    // The context is every token written to the layer (what Pyramid's schedule is defined on),
+    // not what is left of it.
+    const index_t budget = evictor_.capacity(layer, cache_layers_, state.tokens);
     if (stream.live_tokens <= budget) return;
     // The exact prefix is kept and counts towards the budget; the evictor sees the rest.
     thread_local std::vector<SlotRef> refs;
@@ -1191,7 +1209,7 @@ class KVCache {
           PageId copy = 0;
           try {
             copy = pool_.allocate_one();
-          } catch (const OutOfPages&) {
+          } catch (const std::exception&) {  // OutOfPages or bad_alloc
             j = end;  // keep this page's tokens; retried after the next write
             continue;
           }
@@ -1276,10 +1294,6 @@ class KVCache {
     if constexpr (kSummarizes) {
       prepare_summary_scratch();
       ensure_ghosts(stream);
-      // The dead tokens of these pages keep their summaries; the new pages summarize the live ones.
-      for (std::size_t i = first; i < end; ++i) {
-        add_ghost(stream, summary_of(table[i]), lived_in(table[i]) - live_count(live_mask(table[i])));
-      }
     }
 
     const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
@@ -1299,6 +1313,13 @@ class KVCache {
         std::memcpy(&positions[n], metadata + static_cast<std::size_t>(t) * sizeof(std::int32_t), sizeof(std::int32_t));
         if constexpr (kKeepsScores) scores[n] = stream.page_scores[i * page + t];
         ++n;
+      }
+    }
+    if constexpr (kSummarizes) {
+      // Decoding changed nothing; from here on nothing throws. The dead tokens of these pages
+      // keep their summaries; the new pages summarize the live ones.
+      for (std::size_t i = first; i < end; ++i) {
+        add_ghost(stream, summary_of(table[i]), lived_in(table[i]) - live_count(live_mask(table[i])));
       }
     }
     // The last page's unused slots repeat its last token (dead slots): they leave its scales and

@@ -37,7 +37,8 @@ struct StreamTokens {
 ///   - `kUsesObservation`: `prefill`'s observation queries score the tokens (SnapKV, H2O);
 ///   - `kEvictsOnAppend`: it evicts after `append` too, not only after `prefill`;
 ///   - `capacity(layer, layers, context)`: tokens one KV stream of `layer` keeps, given the
-///     `context` tokens it holds (a budget: evict::Uniform, evict::Pyramid);
+///     `context` tokens written to the layer so far, dropped ones included (a budget:
+///     evict::Uniform, evict::Pyramid);
 ///   - `reduce()`: how a GQA group's scores combine;
 ///   - `choose(tokens, keep)`: sets keep[i] = 1 for the tokens to keep (every pinned one, and
 ///     at most `capacity` unless pins force more), 0 for the rest. Called only when

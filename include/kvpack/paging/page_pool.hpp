@@ -99,8 +99,10 @@ class PagePool {
     in_use_.fetch_sub(1, std::memory_order_relaxed);
   }
 
+  /// Acquire: a holder that sees 1 may change the page in place, after the reads of every
+  /// holder that released it.
   [[nodiscard]] std::uint32_t ref_count(PageId id) const noexcept {
-    return ref_count_slot(id).load(std::memory_order_relaxed);
+    return ref_count_slot(id).load(std::memory_order_acquire);
   }
 
   /// Encoded K/V bytes of a page: `format().payload_bytes` bytes, 64-byte aligned.
