@@ -11,11 +11,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <vector>
 
+#include "fuzz/fuzz_check.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/reference_cache.hpp"
 
@@ -26,15 +25,6 @@ using Quantizer = quant::Q8_0;
 const ModelShape kShape{2, 4, 2, 32};
 constexpr index_t kPage = 16;
 constexpr std::size_t kMaxLive = 6;
-
-[[noreturn]] void fail(const char* what, int line) {
-  std::fprintf(stderr, "fuzz_cache_ops: check failed at line %d: %s\n", line, what);
-  std::abort();
-}
-#define FUZZ_CHECK(cond)                 \
-  do {                                   \
-    if (!(cond)) fail(#cond, __LINE__);  \
-  } while (false)
 
 /// Finite values in [-8, 8) on a 1/16 grid: every codec stores them, the model compares them.
 std::vector<float> values_from(FuzzedDataProvider& in, std::size_t n) {

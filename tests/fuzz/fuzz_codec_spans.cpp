@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fuzz/fuzz_check.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/reference_cache.hpp"
 #include "support/stream_fixture.hpp"
@@ -38,15 +39,6 @@
 namespace {
 
 using namespace kvpack;
-
-[[noreturn]] void fail(const char* what, int line) {
-  std::fprintf(stderr, "fuzz_codec_spans: check failed at line %d: %s\n", line, what);
-  std::abort();
-}
-#define FUZZ_CHECK(cond)                 \
-  do {                                   \
-    if (!(cond)) fail(#cond, __LINE__);  \
-  } while (false)
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 

@@ -17,27 +17,17 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <optional>
 #include <vector>
 
+#include "fuzz/fuzz_check.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace {
 
 using namespace kvpack;
-
-[[noreturn]] void fail(const char* what, int line) {
-  std::fprintf(stderr, "fuzz_config: check failed at line %d: %s\n", line, what);
-  std::abort();
-}
-#define FUZZ_CHECK(cond)                 \
-  do {                                   \
-    if (!(cond)) fail(#cond, __LINE__);  \
-  } while (false)
 
 constexpr index_t kIntMin = std::numeric_limits<index_t>::min();
 constexpr index_t kIntMax = std::numeric_limits<index_t>::max();

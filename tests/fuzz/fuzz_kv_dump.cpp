@@ -10,29 +10,19 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "fuzz/fuzz_check.hpp"
 #include "kvpack/eval/kv_dump.hpp"
 
 namespace {
-
-[[noreturn]] void fail(const char* what, int line) {
-  std::fprintf(stderr, "fuzz_kv_dump: check failed at line %d: %s\n", line, what);
-  std::abort();
-}
-#define FUZZ_CHECK(cond)                 \
-  do {                                   \
-    if (!(cond)) fail(#cond, __LINE__);  \
-  } while (false)
 
 /// One memfd for the whole run, rewritten per input.
 int dump_fd() {
   static const int fd = [] {
     const int created = memfd_create("kvpack_fuzz_kv_dump", 0);
-    if (created < 0) fail("memfd_create", __LINE__);
+    FUZZ_CHECK(created >= 0);  // memfd_create
     return created;
   }();
   return fd;
