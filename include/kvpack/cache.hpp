@@ -123,6 +123,14 @@ class KVCache {
     quantizer_.key.validate(key_geometry());
     quantizer_.value.validate(value_geometry());
     if constexpr (kEvicts) evictor_.validate();
+    if (evict::uses_in_cache_positions(evictor_)) {
+      KVPACK_CHECK(config_.key_rope.has_value(), kInvalidConfig,
+                   "in_cache_positions rotates keys when they are read: it needs keys stored before RoPE "
+                   "(CacheConfig.key_rope)");
+      KVPACK_CHECK(!kSummarizes, kUnsupported,
+                   "in_cache_positions changes every key's rotation as tokens leave, which would make "
+                   "select::Quest's page summaries stale");
+    }
     if constexpr (kSummarizes) {
       selector_.validate();
       KVPACK_CHECK(shape_.group_size() <= 64 && key_dim_ <= 1024, kUnsupported,
@@ -325,6 +333,7 @@ class KVCache {
       thread_local std::vector<index_t> reading;  // indices into the table of the pages read
       thread_local std::vector<const std::byte*> page_pointers;
       thread_local std::vector<const std::int32_t*> page_positions;
+      thread_local std::vector<std::int32_t> indices;  // in_cache_positions: [pages][page_size], then rows
       thread_local std::vector<const std::uint64_t*> page_live;
       thread_local std::vector<float> recorded;
       thread_local std::vector<float> head_bounds;  // [group][pages]
@@ -359,12 +368,20 @@ class KVCache {
       }
       kernels::KeyRope key_rope;
       if (config_.key_rope) {
-        // Slot positions lead each page's metadata.
         page_positions.resize(reading.size());
-        for (std::size_t i = 0; i < reading.size(); ++i) {
-          page_positions[i] = reinterpret_cast<const std::int32_t*>(pool_.metadata(table[reading[i]]));
+        if (evict::uses_in_cache_positions(evictor_)) {
+          in_cache_positions(state, s, indices);
+          for (std::size_t i = 0; i < reading.size(); ++i) {
+            page_positions[i] = indices.data() + static_cast<std::size_t>(reading[i]) * config_.page_size;
+          }
+          key_rope = {rope_tables_->view(), page_positions.data(), indices.data() + table.size() * config_.page_size};
+        } else {
+          // Slot positions lead each page's metadata.
+          for (std::size_t i = 0; i < reading.size(); ++i) {
+            page_positions[i] = reinterpret_cast<const std::int32_t*>(pool_.metadata(table[reading[i]]));
+          }
+          key_rope = {rope_tables_->view(), page_positions.data(), state.tail_positions.data()};
         }
-        key_rope = {rope_tables_->view(), page_positions.data(), state.tail_positions.data()};
       }
       workspace.prepare(group, key_dim_, config_.page_size, state.rows_count());
       const kernels::PageRun run{page_pointers.data(), live, static_cast<index_t>(reading.size()), 0,
@@ -454,6 +471,20 @@ class KVCache {
     const Sequence& sequence = find(seq, "last_position");
     layer = stored_layer(layer, "last_position");
     return sequence.layers[layer].last_position;
+  }
+
+  /// The position an engine rotates this layer's query with when keys are stored before RoPE:
+  /// the last position written, or, with StreamingLLM's in_cache_positions, the newest token's
+  /// index among the live tokens (every KV stream of a layer keeps the same number under
+  /// StreamingLLM). -1 when the layer holds no tokens.
+  [[nodiscard]] std::int64_t query_position(SeqId seq, index_t layer) const {
+    const Sequence& sequence = find(seq, "query_position");
+    layer = stored_layer(layer, "query_position");
+    const LayerState& state = sequence.layers[layer];
+    if (evict::uses_in_cache_positions(evictor_) && state.tokens > 0) {
+      if constexpr (kEvicts) return state.eviction[0].live_tokens - 1;
+    }
+    return state.last_position;
   }
 
   /// Tokens stored in one layer of a sequence.
@@ -625,7 +656,9 @@ class KVCache {
     add_rows(state.prefix_count, state.rows_count());
     if (config_.key_rope) {
       for (index_t i = 0; i < stored.size(); ++i) {
-        apply_rope_reference(*config_.key_rope, key_dim_, stored.positions[i],
+        // Stored in token order, live tokens only: with in-cache positions, i is the token's index.
+        const std::int64_t position = evict::uses_in_cache_positions(evictor_) ? i : stored.positions[i];
+        apply_rope_reference(*config_.key_rope, key_dim_, position,
                              stored.keys.data() + static_cast<std::size_t>(i) * key_dim_);
       }
     }
@@ -1057,6 +1090,34 @@ class KVCache {
     index_t count = 0;
     for (std::size_t w = 0; w < live_mask_words(); ++w) count += static_cast<index_t>(std::popcount(mask[w]));
     return count;
+  }
+
+  /// StreamingLLM's in-cache positions (ALGORITHMS.md §8.2): every live token's index among the
+  /// stream's live tokens in token order (exact prefix, pages, tail), laid out as attend's
+  /// KeyRope reads positions: [pages][page_size], then the full-precision rows. Dead slots get
+  /// the index of the next live token; the kernels skip them.
+  void in_cache_positions(const LayerState& state, index_t s, std::vector<std::int32_t>& indices) const {
+    const std::vector<PageId>& table = state.tables[s];
+    const std::size_t page = static_cast<std::size_t>(config_.page_size);
+    indices.resize(table.size() * page + static_cast<std::size_t>(state.rows_count()));
+    std::int32_t* const rows = indices.data() + table.size() * page;
+    const std::uint8_t* row_live = state.eviction.empty() ? nullptr : state.eviction[s].row_live.data();
+    std::int32_t next = 0;
+    auto number_rows = [&](index_t first, index_t last) {
+      for (index_t r = first; r < last; ++r) {
+        rows[r] = next;
+        next += (row_live == nullptr || row_live[r] != 0) ? 1 : 0;
+      }
+    };
+    number_rows(0, state.prefix_count);
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      const std::uint64_t* mask = live_mask(table[i]);
+      for (std::size_t t = 0; t < page; ++t) {
+        indices[i * page + t] = next;
+        next += static_cast<std::int32_t>((mask[t / 64] >> (t % 64)) & 1u);
+      }
+    }
+    number_rows(state.prefix_count, state.rows_count());
   }
 
   /// Adds the observation window's attention to every live token's score, per stream.

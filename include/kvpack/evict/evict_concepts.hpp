@@ -58,4 +58,16 @@ concept Evictor = std::semiregular<E> && requires {
   e.validate();
 });
 
+/// Whether an evictor asks the cache to rotate keys stored before RoPE by their index among the
+/// stream's live tokens instead of their original positions (StreamingLLM's re-rotation,
+/// ALGORITHMS.md §8.2). Optional: evictors without an `in_cache_positions` member keep positions.
+template <class E>
+[[nodiscard]] constexpr bool uses_in_cache_positions(const E& evictor) noexcept {
+  if constexpr (requires { { evictor.in_cache_positions } -> std::convertible_to<bool>; }) {
+    return evictor.in_cache_positions;
+  } else {
+    return false;
+  }
+}
+
 }  // namespace kvpack::inline v0::evict

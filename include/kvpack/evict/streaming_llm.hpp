@@ -11,10 +11,14 @@
 namespace kvpack::inline v0::evict {
 
 /// StreamingLLM (ALGORITHMS.md §8): keeps `sinks` first tokens and the most recent ones up to the
-/// budget, after every write (pinned tokens count towards the budget and shorten the window). Positions: the slots keep the positions they were written with, so
-/// keys stored after RoPE stay exactly as the model rotated them (the "prefill-only" variant of
-/// §8.2); the original method's re-rotation to in-cache indices is not done here — callers who want
-/// it store keys before RoPE and pass in-cache positions themselves.
+/// budget, after every write (pinned tokens count towards the budget and shorten the window).
+/// Positions, two ways:
+/// - default: the slots keep the positions they were written with, so keys stored after RoPE
+///   stay exactly as the model rotated them (the "prefill-only" variant of §8.2);
+/// - `in_cache_positions`: the original method. Keys must be stored before RoPE
+///   (CacheConfig::key_rope); at every read the cache rotates each kept key by its index among the
+///   stream's live tokens (0 … live − 1), and the engine rotates its query by
+///   `KVCache::query_position` (the newest token's index), so distances never exceed the budget.
 template <Budget B = Uniform>
 struct StreamingLLM {
   static constexpr std::string_view kName = "streaming_llm";
@@ -23,8 +27,9 @@ struct StreamingLLM {
   static constexpr bool kUsesObservation = false;
   static constexpr bool kEvictsOnAppend = true;
 
-  index_t sinks = 4;               ///< first tokens always kept (the exact prefix counts towards them)
-  B budget{Uniform{4 + 512}};      ///< tokens kept per KV stream: sinks + recent window
+  index_t sinks = 4;                ///< first tokens always kept (the exact prefix counts towards them)
+  B budget{Uniform{4 + 512}};       ///< tokens kept per KV stream: sinks + recent window
+  bool in_cache_positions = false;  ///< rotate pre-RoPE keys by their index in the cache (§8.2)
 
   [[nodiscard]] index_t capacity(index_t layer, index_t layers, index_t context) const noexcept {
     return budget.capacity(layer, layers, context, sinks);
