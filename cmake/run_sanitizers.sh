@@ -2,17 +2,18 @@
 # The sanitizer half of the README test command, run after the normal build's ctest:
 #   1. build-asan/: clang, -O1 -g, AddressSanitizer (leaks included) + UBSan (no recovery: the
 #      first report fails the run); the unit test modules core, paging, quant, kernels and cache,
-#      each run in full.
+#      each run in full, kernels beside the others (logs in build-asan/test-<module>.log).
 #      Then the libFuzzer targets of tests/fuzz/, each from its seed corpus tests/fuzz/corpus/<name>
 #      (new inputs go to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), two
 #      at a time to use both cores: fuzz_cache_ops (random operation sequences against the
-#      reference model) for KVPACK_FUZZ_SECONDS (default 60), and beside it, one after another,
+#      reference model) for KVPACK_FUZZ_SECONDS (default 60) then fuzz_eviction_ops (the same on
+#      evicting caches) for a third of it, and beside them, one after another,
 #      fuzz_kv_dump (the K/V dump loader) for 10^6 runs, fuzz_config (configs and shapes) and
 #      fuzz_codec_spans (K/V bit patterns through every codec) for KVPACK_FUZZ_SECONDS / 3 each:
 #      KVPACK_FUZZ_RUNS overrides the dump loader's runs. Each
 #      target's log is in build-asan/fuzz-<name>.log; its final counts are printed.
-#   2. build-tsan/: clang, -O1 -g, ThreadSanitizer; the "[threads]" tests of kvpack_test_cache
-#      (the concurrency stress test and the executor) and of kvpack_test_paging.
+#   2. build-tsan/: clang, -O1 -g, ThreadSanitizer; the "[threads]" tests (the concurrency stress
+#      test, the executor, the pool), built alone as kvpack_test_threads.
 # Not under sanitizers, for time (2 cores): the eval module (but for its dump loader), the examples and their tests, the
 # benches, the compile-only and packaging checks; the normal build runs all of them.
 #
@@ -36,20 +37,32 @@ common=(-DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_
 run() {
   local start=$SECONDS
   echo "run_sanitizers: $*"
-  "$@"
+  "$@" || return  # explicit: callers in a || list turn off errexit
   echo "run_sanitizers: $1 passed in $((SECONDS - start)) s"
 }
 
 if [[ "$which_builds" != tsan ]]; then
   modules=(core paging quant kernels cache)
   cmake -S . -B build-asan "${common[@]}" -DKVPACK_SANITIZE=address,undefined -DKVPACK_BUILD_FUZZERS=ON
-  fuzzers=(cache_ops kv_dump config codec_spans)
+  fuzzers=(cache_ops eviction_ops kv_dump config codec_spans)
   cmake --build build-asan -j"$jobs" --target "${modules[@]/#/kvpack_test_}" "${fuzzers[@]/#/kvpack_fuzz_}"
   export ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-  for module in "${modules[@]}"; do
-    run "build-asan/tests/kvpack_test_$module"
-  done
+  # Two chains on the two cores: the kernels module (the longest, ~100 s) beside the others.
+  run_chain() {
+    local module
+    for module in "$@"; do
+      run "build-asan/tests/kvpack_test_$module" >"build-asan/test-$module.log" 2>&1 ||
+        { tail -n 80 "build-asan/test-$module.log"; echo "run_sanitizers: kvpack_test_$module FAILED"; return 1; }
+      grep -E '^(All tests passed|run_sanitizers:)' "build-asan/test-$module.log"
+    done
+  }
+  run_chain kernels &
+  kernels_pid=$!
+  status=0
+  run_chain core paging quant cache || status=$?
+  wait "$kernels_pid" || status=$?
+  ((status == 0)) || exit "$status"
   # Runs fuzz target $1 with libFuzzer's limits $2...; its output goes to build-asan/fuzz-$1.log,
   # and only the final counts (or, on failure, the end of the log) to this script's output.
   fuzz() {
@@ -68,9 +81,9 @@ if [[ "$which_builds" != tsan ]]; then
     echo "run_sanitizers: fuzz_$name passed in $((SECONDS - start)) s"
   }
   seconds="${KVPACK_FUZZ_SECONDS:-60}"
-  fuzz cache_ops -max_total_time="$seconds" &
+  { fuzz cache_ops -max_total_time="$seconds" && fuzz eviction_ops -max_total_time=$((seconds / 3)); } &
   cache_ops_pid=$!
-  # A failure stops the chain but still waits for cache_ops, so that no fuzzer outlives the script.
+  # A failure stops a chain but still waits for the other, so that no fuzzer outlives the script.
   status=0
   # fuzz_kv_dump allocates and frees a file buffer per run: a small quarantine keeps those pages
   # hot (1.7 times the runs per second; use-after-free is still caught within 8 MB of frees).
@@ -83,9 +96,8 @@ fi
 
 if [[ "$which_builds" != asan ]]; then
   cmake -S . -B build-tsan "${common[@]}" -DKVPACK_SANITIZE=thread
-  cmake --build build-tsan -j"$jobs" --target kvpack_test_cache kvpack_test_paging
+  cmake --build build-tsan -j"$jobs" --target kvpack_test_threads
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
-  run build-tsan/tests/kvpack_test_cache "[threads]"
-  run build-tsan/tests/kvpack_test_paging "[threads]"
+  run build-tsan/tests/kvpack_test_threads "[threads]"
 fi
 echo "run_sanitizers: all passed"

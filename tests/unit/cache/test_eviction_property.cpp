@@ -1,19 +1,17 @@
-// Random operation sequences on evicting caches (with and without Quest, pre-RoPE keys, an exact
-// prefix, a tail window, a small pool): after every step the accounting matches the live tokens,
-// attention equals exact attention over what read_back holds (or, with Quest, over the pages it
-// read), the certified bound is a probability, and releasing everything returns every byte.
+// Random operation sequences on evicting caches (with and without Quest, pre-RoPE keys with
+// original or in-cache positions, an exact prefix, a tail window, a small pool): after every step
+// the accounting matches the live tokens, attention equals exact attention over what read_back
+// holds (or, with Quest, over the pages it read), the certified bound is a probability, and
+// releasing everything returns every byte.
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <random>
-#include <set>
 #include <vector>
 
-#include "kvpack/eval/exact_attention.hpp"
 #include "kvpack/kvpack.hpp"
+#include "support/eviction_check.hpp"
 #include "support/random_kv.hpp"
 
 namespace {
@@ -22,48 +20,6 @@ using namespace kvpack;
 
 constexpr ModelShape kShape{2, 4, 2, 32};
 constexpr float kScale = 0.17677669f;
-
-/// Exact attention per head over the live tokens of each stream that attend read, in double.
-template <class Cache>
-double error_against_read_back(const Cache& cache, SeqId seq, index_t layer, const std::vector<float>& q,
-                               const std::vector<float>& out, const AttendReport& report) {
-  double worst = 0.0;
-  const index_t d = kShape.head_dim, group = kShape.group_size();
-  for (index_t s = 0; s < kShape.kv_heads; ++s) {
-    StoredTokens kept = cache.read_back(seq, layer, s);
-    // Drop the tokens of pages Quest skipped: their positions, read from the page metadata.
-    std::set<std::int32_t> skipped;
-    const auto pages = cache.pages(seq, layer, s);
-    const auto& read = report.read_pages[static_cast<std::size_t>(s)];
-    for (index_t i = 0; i < static_cast<index_t>(pages.size()); ++i) {
-      if (std::find(read.begin(), read.end(), i) != read.end()) continue;
-      const std::byte* metadata = cache.pool().metadata(pages[static_cast<std::size_t>(i)]);
-      for (index_t t = 0; t < cache.config().page_size; ++t) {
-        std::int32_t position = 0;
-        std::memcpy(&position, metadata + t * sizeof(position), sizeof(position));
-        skipped.insert(position);
-      }
-    }
-    std::vector<float> k, v;
-    for (index_t i = 0; i < kept.size(); ++i) {
-      if (skipped.count(kept.positions[i]) != 0) continue;
-      k.insert(k.end(), kept.keys.begin() + i * d, kept.keys.begin() + (i + 1) * d);
-      v.insert(v.end(), kept.values.begin() + i * d, kept.values.begin() + (i + 1) * d);
-    }
-    const index_t n = static_cast<index_t>(k.size() / d);
-    for (index_t h = s * group; h < (s + 1) * group; ++h) {
-      std::vector<double> want(d);
-      eval::exact_attention_head({k.data(), d, n, d}, {v.data(), d, n, d}, q.data() + h * d, kScale, want.data());
-      double diff = 0.0, norm = 0.0;
-      for (index_t c = 0; c < d; ++c) {
-        diff += std::pow(out[h * d + c] - want[c], 2);
-        norm += want[c] * want[c];
-      }
-      worst = std::max(worst, std::sqrt(diff / std::max(norm, 1e-30)));
-    }
-  }
-  return worst;
-}
 
 template <class Cache>
 void random_run(Cache& cache, std::uint32_t seed, double tolerance) {
@@ -103,15 +59,12 @@ void random_run(Cache& cache, std::uint32_t seed, double tolerance) {
           AttendReport report;
           if constexpr (Cache::selector_type::kReadsAllPages) {
             cache.attend(seq, layer, std::span<const float>(q), std::span<float>(out), kScale);
-            report.read_pages.assign(kShape.kv_heads, {});
-            for (index_t s = 0; s < kShape.kv_heads; ++s) {
-              for (index_t i = 0; i < static_cast<index_t>(cache.pages(seq, layer, s).size()); ++i) report.read_pages[s].push_back(i);
-            }
+            test::every_page_read(cache, seq, layer, report);
           } else {
             cache.attend(seq, layer, std::span<const float>(q), std::span<float>(out), kScale, &report);
             for (const auto& head : report.heads) CHECK((head.mass >= 0.0 && head.mass <= 1.0));
           }
-          CHECK(error_against_read_back(cache, seq, layer, q, out, report) <= tolerance);
+          CHECK(test::error_against_read_back(cache, seq, layer, q, out, kScale, report) <= tolerance);
         }
       } else if (op == 8) {
         live.push_back(cache.fork(pick()));
@@ -179,5 +132,15 @@ TEST_CASE("random operations on evicting caches keep accounting, attention and t
     KVCache<layout::GQA, quant::Q4_0, evict::StreamingLLM<>, select::Quest> cache(
         kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{100}}, quest);
     random_run(cache, 3, 3e-2);
+  }
+  {
+    // StreamingLLM's in-cache positions: read_back rotates by the index in the stream, attend by
+    // the index it computes from the live masks; both must agree through forks and compaction.
+    CacheConfig config = small;
+    config.key_rope = RopeSpec{};
+    config.exact_prefix_tokens = 2;
+    KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> cache(kShape, config, {}, {},
+                                                                   evict::StreamingLLM<>{4, evict::Uniform{70}, true});
+    random_run(cache, 4, 3e-2);
   }
 }
