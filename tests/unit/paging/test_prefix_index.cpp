@@ -6,6 +6,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -430,5 +431,39 @@ TEST_CASE("bad input is rejected with a named error and changes nothing", "[pagi
   CHECK(stats.lookups == 0);
   for (PageId id : pages) CHECK(pool.ref_count(id) == 1);
   for (PageId id : pages) pool.release(id);
+  CHECK(pool.pages_in_use() == 0);
+}
+
+TEST_CASE("concurrent match, insert, lease release and eviction balance to zero", "[paging][prefix][threads]") {
+  constexpr std::size_t kStreams = 2;
+  PagePool pool(PageFormat{64, 8}, 1 << 14);
+  PrefixIndex index(pool, kPage, kStreams);
+  const PrefixKey key = make_key();
+  const Tokens system{9, 9, 9, 9, 8, 8, 8, 8};  // two shared pages
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<std::uint32_t>(t));
+      for (int i = 0; i < 300; ++i) {
+        Tokens tokens = system;
+        const Tokens own = random_tokens(rng, kPage * (1 + rng() % 2), 2);  // often equal across threads
+        tokens.insert(tokens.end(), own.begin(), own.end());
+        auto m = index.match(key, tokens);
+        std::vector<PageId> table(tokens.size() / kPage * kStreams);
+        std::copy(m.page_ids.begin(), m.page_ids.end(), table.begin());
+        for (PageId id : m.page_ids) pool.retain(id);
+        pool.allocate(std::span<PageId>(table).subspan(m.page_ids.size()));
+        PrefixLease lease = index.insert(key, tokens, table);
+        m.lease.reset();
+        for (PageId id : table) pool.release(id);
+        lease.reset();
+        if (i % 8 == 0) (void)index.evict_unreferenced(kStreams * (1 + rng() % 4));
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  CHECK(index.stats().lookups == 1200);
+  index.evict_unreferenced(PrefixIndex::kAllPages);
+  CHECK(index.stats().cached_pages == 0);
   CHECK(pool.pages_in_use() == 0);
 }
