@@ -121,7 +121,7 @@ struct PrefixIndexStats {
   std::size_t cached_pages = 0;      ///< token pages held now
   std::size_t cached_pool_pages = 0; ///< pool pages the index references now: cached_pages × streams
   std::size_t cached_page_bytes = 0; ///< their payload and metadata bytes (live sequences may share them)
-  std::size_t evictable_pages = 0;   ///< token pages evict_unreferenced() could drop right now
+  std::size_t evictable_pages = 0;   ///< unpinned leaves: first in line for eviction (their parents follow)
   std::size_t namespaces = 0;        ///< distinct PrefixKeys with cached pages
   /// The index's own memory, not the pages': node records, token copies, page ids, the child
   /// table and LRU heap (exact capacities), the key map (its nodes at libstdc++'s size).
@@ -215,7 +215,7 @@ class PrefixIndex {
   }
 
   /// Caches a sequence's whole pages: `tokens` (a multiple of page_size) and their page ids,
-  /// [pages][streams]. Pages already cached keep their ids (the caller's duplicates are not
+  /// [pages][streams], pages of this index's pool that the caller holds. Pages already cached keep their ids (the caller's duplicates are not
   /// referenced); new ones get an index reference each (PagePool::retain). Returns a lease on the
   /// whole path. All or nothing: on an exception nothing changed.
   /// \throws kvpack::Error(kInvalidArgument) for a bad key, a partial page, or a page-id count
@@ -390,14 +390,14 @@ class PrefixIndex {
     const std::size_t total = nodes_.size() + (fresh - reused);
     KVPACK_CHECK(total < kNone, kOutOfRange,
                  detail::message("PrefixIndex holds at most ", kNone - 1, " pages, ", total, " needed"));
-    if (total > nodes_.capacity()) {
-      const std::size_t capacity = std::max(total, 2 * nodes_.capacity());
-      nodes_.reserve(capacity);
-      tokens_.reserve(capacity * page_size_);
-      pages_.reserve(capacity * streams_);
-      free_nodes_.reserve(capacity);
-      heap_.reserve(capacity);
-    }
+    if (total > nodes_.capacity()) nodes_.reserve(std::max(total, 2 * nodes_.capacity()));
+    // Each array follows nodes_' capacity on its own (no-ops when it already does), so a throw
+    // between them leaves nothing behind that a later call would miss.
+    const std::size_t capacity = nodes_.capacity();
+    tokens_.reserve(capacity * page_size_);
+    pages_.reserve(capacity * streams_);
+    free_nodes_.reserve(capacity);
+    heap_.reserve(capacity);
     children_.reserve(children_.size() + fresh, [&](std::uint32_t id) { return nodes_[id].child_key; });
   }
 
