@@ -57,8 +57,8 @@ std::vector<TokenId> random_tokens(std::mt19937& rng, std::size_t n) {
 
 // Inserts a sequence's pages as a cache would after prefill, then drops the sequence's own
 // references and lease: the index keeps the pages.
-void insert_finished(PrefixIndex& index, PagePool& pool, const PrefixKey& key, std::span<const TokenId> tokens,
-                     std::vector<PageId>& scratch) {
+void insert_finished(PrefixIndex& index, PagePool& pool, const PrefixKey& key,
+                     std::span<const TokenId> tokens, std::vector<PageId>& scratch) {
   scratch.resize(tokens.size() / kPageSize * index.streams());
   pool.allocate(scratch);
   (void)index.insert(key, tokens, scratch);
@@ -87,7 +87,8 @@ void match_benchmark(benchmark::State& state) {
     found += match.pages;
     benchmark::DoNotOptimize(match.page_ids.data());
   }
-  if (found != state.iterations() * kPagesPerSequence) state.SkipWithError("a cached prompt was not found whole");
+  if (found != state.iterations() * kPagesPerSequence)
+    state.SkipWithError("a cached prompt was not found whole");
   state.counters["page_lookups_per_s"] =
       benchmark::Counter(static_cast<double>(found), benchmark::Counter::kIsRate);
   state.counters["index_MB"] = static_cast<double>(index.stats().index_bytes) / 1e6;
@@ -103,7 +104,8 @@ void insert_evict_benchmark(benchmark::State& state) {
   // A ring one longer than the index holds: the slot inserted next is always the one evicted.
   const std::size_t held = cached_pages / kPagesPerSequence;
   std::vector<std::vector<TokenId>> ring;
-  for (std::size_t i = 0; i <= held; ++i) ring.push_back(random_tokens(rng, kPagesPerSequence * kPageSize));
+  for (std::size_t i = 0; i <= held; ++i)
+    ring.push_back(random_tokens(rng, kPagesPerSequence * kPageSize));
   std::vector<PageId> scratch;
   for (std::size_t i = 0; i < held; ++i) insert_finished(index, pool, key, ring[i], scratch);
   std::size_t next = held;
@@ -112,14 +114,15 @@ void insert_evict_benchmark(benchmark::State& state) {
     benchmark::DoNotOptimize(index.evict_unreferenced(kPagesPerSequence * streams));
   }
   const auto stats = index.stats();
-  if (stats.cached_pages != held * kPagesPerSequence) state.SkipWithError("the index did not stay at its size");
+  if (stats.cached_pages != held * kPagesPerSequence)
+    state.SkipWithError("the index did not stay at its size");
   state.counters["pages_inserted_per_s"] = benchmark::Counter(
       static_cast<double>(state.iterations() * kPagesPerSequence), benchmark::Counter::kIsRate);
 }
 
 // Admits 64 sequences (system prompt + their own turn) and counts the pool pages they hold.
-std::size_t admit_batch(PagePool& pool, PrefixIndex* index, const std::vector<std::vector<TokenId>>& prompts,
-                        double& hit_rate) {
+std::size_t admit_batch(PagePool& pool, PrefixIndex* index,
+                        const std::vector<std::vector<TokenId>>& prompts, double& hit_rate) {
   const PrefixKey key = llama_key();
   std::vector<std::vector<PageId>> tables(prompts.size());
   std::vector<paging::PrefixLease> leases(prompts.size());
@@ -188,18 +191,27 @@ void shared_system_prompt_benchmark(benchmark::State& state) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   for (std::int64_t pages : {1000, 10000, 100000}) {
-    benchmark::RegisterBenchmark("BM_Match", match_benchmark)->Args({pages, 1})->ArgNames({"pages", "streams"});
+    benchmark::RegisterBenchmark("BM_Match", match_benchmark)
+        ->Args({pages, 1})
+        ->ArgNames({"pages", "streams"});
   }
   benchmark::RegisterBenchmark("BM_Match", match_benchmark)
-      ->Args({1000, kLlamaStreams})->ArgNames({"pages", "streams"});
+      ->Args({1000, kLlamaStreams})
+      ->ArgNames({"pages", "streams"});
   for (std::int64_t pages : {1000, 10000, 100000}) {
     benchmark::RegisterBenchmark("BM_InsertEvict", insert_evict_benchmark)
-        ->Args({pages, 1})->ArgNames({"pages", "streams"});
+        ->Args({pages, 1})
+        ->ArgNames({"pages", "streams"});
   }
   benchmark::RegisterBenchmark("BM_InsertEvict", insert_evict_benchmark)
-      ->Args({1000, kLlamaStreams})->ArgNames({"pages", "streams"});
+      ->Args({1000, kLlamaStreams})
+      ->ArgNames({"pages", "streams"});
   benchmark::RegisterBenchmark("BM_SharedSystemPrompt", shared_system_prompt_benchmark)
-      ->Arg(0)->Arg(1)->ArgName("sharing")->Unit(benchmark::kMillisecond)->Iterations(3);
+      ->Arg(0)
+      ->Arg(1)
+      ->ArgName("sharing")
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(3);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -38,8 +38,7 @@ class Fingerprint {
 
   /// A number or an enum, by its object bytes (so -0.0f and 0.0f differ: conservative for a key).
   template <class T>
-    requires(std::is_arithmetic_v<T> || std::is_enum_v<T>)
-  Fingerprint& add(T value) noexcept {
+  requires(std::is_arithmetic_v<T> || std::is_enum_v<T>) Fingerprint& add(T value) noexcept {
     static_assert(sizeof(T) <= 8);
     std::uint64_t word = 0;
     std::memcpy(&word, &value, sizeof(T));
@@ -48,8 +47,7 @@ class Fingerprint {
 
   /// A run of numbers: its length first, so [a, b] + [c] differs from [a] + [b, c].
   template <class T>
-    requires(std::is_arithmetic_v<T>)
-  Fingerprint& add(std::span<const T> values) noexcept {
+  requires(std::is_arithmetic_v<T>) Fingerprint& add(std::span<const T> values) noexcept {
     add_word(values.size());
     return add_bytes(std::as_bytes(values));
   }

@@ -59,7 +59,9 @@ class PrefixLease {
  public:
   PrefixLease() noexcept = default;
   PrefixLease(PrefixLease&& other) noexcept
-      : index_(std::exchange(other.index_, nullptr)), node_(other.node_), pages_(std::exchange(other.pages_, 0)) {}
+      : index_(std::exchange(other.index_, nullptr)),
+        node_(other.node_),
+        pages_(std::exchange(other.pages_, 0)) {}
   PrefixLease& operator=(PrefixLease&& other) noexcept {
     if (this != &other) {
       reset();
@@ -111,25 +113,31 @@ struct PrefixMatch {
 /// Counters since construction and sizes now. A "token page" is page_size tokens (one node) and
 /// covers every stream; a "pool page" is one stream's page of it.
 struct PrefixIndexStats {
-  std::uint64_t lookups = 0;         ///< match() calls
-  std::uint64_t lookup_tokens = 0;   ///< tokens passed to match()
-  std::uint64_t hit_tokens = 0;      ///< of them, tokens found cached (whole pages)
-  std::uint64_t hit_pages = 0;       ///< token pages match() found
-  std::uint64_t pages_saved = 0;     ///< pool pages callers reused instead of prefilling: hit_pages × streams
+  std::uint64_t lookups = 0;        ///< match() calls
+  std::uint64_t lookup_tokens = 0;  ///< tokens passed to match()
+  std::uint64_t hit_tokens = 0;     ///< of them, tokens found cached (whole pages)
+  std::uint64_t hit_pages = 0;      ///< token pages match() found
+  /// Pool pages callers reused instead of prefilling: hit_pages × streams
+  std::uint64_t pages_saved = 0;
   std::uint64_t inserted_pages = 0;  ///< token pages insert() added
   std::uint64_t evicted_pages = 0;   ///< token pages evict_unreferenced() dropped
   std::size_t cached_pages = 0;      ///< token pages held now
-  std::size_t cached_pool_pages = 0; ///< pool pages the index references now: cached_pages × streams
-  std::size_t cached_page_bytes = 0; ///< their payload and metadata bytes (live sequences may share them)
-  std::size_t evictable_pages = 0;   ///< unpinned leaves: first in line for eviction (their parents follow)
-  std::size_t namespaces = 0;        ///< distinct PrefixKeys with cached pages
+  /// Pool pages the index references now: cached_pages × streams
+  std::size_t cached_pool_pages = 0;
+  /// Their payload and metadata bytes (live sequences may share them)
+  std::size_t cached_page_bytes = 0;
+  /// Unpinned leaves: first in line for eviction (their parents follow)
+  std::size_t evictable_pages = 0;
+  std::size_t namespaces = 0;  ///< distinct PrefixKeys with cached pages
   /// The index's own memory, not the pages': node records, token copies, page ids, the child
   /// table and LRU heap (exact capacities), the key map (its nodes at libstdc++'s size).
   std::size_t index_bytes = 0;
 
   /// hit_tokens / lookup_tokens; 0 before any lookup.
   [[nodiscard]] double hit_rate() const noexcept {
-    return lookup_tokens == 0 ? 0.0 : static_cast<double>(hit_tokens) / static_cast<double>(lookup_tokens);
+    return lookup_tokens == 0
+               ? 0.0
+               : static_cast<double>(hit_tokens) / static_cast<double>(lookup_tokens);
   }
 };
 
@@ -137,7 +145,8 @@ struct PrefixIndexStats {
 struct PrefixEviction {
   std::size_t token_pages = 0;  ///< nodes dropped
   std::size_t pool_refs = 0;    ///< pool references released: token_pages × streams
-  std::size_t pool_pages_freed = 0;  ///< of them, pages that went back to the pool (no other holder)
+  /// Of them, pages that went back to the pool (no other holder)
+  std::size_t pool_pages_freed = 0;
 };
 
 struct PrefixIndexOptions {
@@ -154,12 +163,17 @@ class PrefixIndex {
   /// \param pool the pool the pages come from; must outlive the index
   /// \param page_size tokens per page (the cache's CacheConfig::page_size)
   /// \param streams page ids per token page: every (cache layer, KV stream) of the cache
-  PrefixIndex(PagePool& pool, index_t page_size, std::size_t streams, PrefixIndexOptions options = {})
-      : pool_(pool), page_size_(static_cast<std::size_t>(page_size)), streams_(streams), block_hash_(options.block_hash) {
+  PrefixIndex(PagePool& pool, index_t page_size, std::size_t streams,
+              PrefixIndexOptions options = {})
+      : pool_(pool),
+        page_size_(static_cast<std::size_t>(page_size)),
+        streams_(streams),
+        block_hash_(options.block_hash) {
     KVPACK_CHECK(page_size > 0, kInvalidConfig,
                  detail::message("PrefixIndex page_size must be > 0, got ", page_size));
     KVPACK_CHECK(streams > 0, kInvalidConfig, "PrefixIndex needs at least one stream per page");
-    KVPACK_CHECK(block_hash_ != nullptr, kInvalidConfig, "PrefixIndexOptions.block_hash must be set");
+    KVPACK_CHECK(block_hash_ != nullptr, kInvalidConfig,
+                 "PrefixIndexOptions.block_hash must be set");
   }
 
   PrefixIndex(const PrefixIndex&) = delete;
@@ -186,10 +200,11 @@ class PrefixIndex {
     const std::size_t found = find_path(key, tokens);
     PrefixMatch result;
     result.streams = streams_;
-    result.page_ids.resize(found * streams_);  // the only allocation: before any change
+    result.page_ids.resize(found * streams_);  // the last allocation: before any change
     for (std::size_t p = 0; p < found; ++p) {
       const auto ids = pages_of(path_[p]);
-      std::copy(ids.begin(), ids.end(), result.page_ids.begin() + static_cast<std::ptrdiff_t>(p * streams_));
+      std::copy(ids.begin(), ids.end(),
+                result.page_ids.begin() + static_cast<std::ptrdiff_t>(p * streams_));
     }
     ++clock_;
     if (found > 0) {
@@ -208,28 +223,32 @@ class PrefixIndex {
   }
 
   /// The pages match() would find, without pinning, statistics or marking anything used.
-  [[nodiscard]] std::size_t cached_prefix_pages(const PrefixKey& key, std::span<const TokenId> tokens) const {
+  [[nodiscard]] std::size_t cached_prefix_pages(const PrefixKey& key,
+                                                std::span<const TokenId> tokens) const {
     check_key(key);
     std::lock_guard lock(mutex_);
     return find_path(key, tokens);
   }
 
   /// Caches a sequence's whole pages: `tokens` (a multiple of page_size) and their page ids,
-  /// [pages][streams], pages of this index's pool that the caller holds. Pages already cached keep their ids (the caller's duplicates are not
-  /// referenced); new ones get an index reference each (PagePool::retain). Returns a lease on the
-  /// whole path. All or nothing: on an exception nothing changed.
+  /// [pages][streams], pages of this index's pool that the caller holds. Pages already cached
+  /// keep their ids (the caller's duplicates are not referenced); new ones get an index reference
+  /// each (PagePool::retain). Returns a lease on the whole path. All or nothing: on an exception
+  /// nothing changed.
   /// \throws kvpack::Error(kInvalidArgument) for a bad key, a partial page, or a page-id count
   ///         other than pages × streams
-  PrefixLease insert(const PrefixKey& key, std::span<const TokenId> tokens, std::span<const PageId> pages) {
+  PrefixLease insert(const PrefixKey& key, std::span<const TokenId> tokens,
+                     std::span<const PageId> pages) {
     check_key(key);
     KVPACK_CHECK(tokens.size() % page_size_ == 0, kInvalidArgument,
                  detail::message("PrefixIndex::insert takes whole pages: ", tokens.size(),
                                  " tokens is not a multiple of page_size ", page_size_,
                                  " (pass the full pages only; a partial page is never shared)"));
     const std::size_t count = tokens.size() / page_size_;
-    KVPACK_CHECK(pages.size() == count * streams_, kInvalidArgument,
-                 detail::message("PrefixIndex::insert: ", count, " pages of ", streams_, " streams need ",
-                                 count * streams_, " page ids, got ", pages.size()));
+    KVPACK_CHECK(
+        pages.size() == count * streams_, kInvalidArgument,
+        detail::message("PrefixIndex::insert: ", count, " pages of ", streams_, " streams need ",
+                        count * streams_, " page ids, got ", pages.size()));
     std::lock_guard lock(mutex_);
     if (count == 0) return {};
     auto ns = namespaces_.find(key);
@@ -275,10 +294,10 @@ class PrefixIndex {
     return PrefixLease(this, node, count);
   }
 
-  /// Drops unpinned leaves, least recently used first, until
-  /// `pool_pages_needed` pages went back to the pool or nothing unpinned is left. A parent whose
-  /// last child goes becomes a leaf and joins the order at its own age. Pages a sequence still
-  /// holds stay allocated (only the index's reference goes).
+  /// Drops unpinned leaves, least recently used first, until `pool_pages_needed` pages went back
+  /// to the pool or nothing unpinned is left. A parent whose last child goes becomes a leaf and
+  /// joins the order at its own age. Pages a sequence still holds stay allocated (only the
+  /// index's reference goes).
   PrefixEviction evict_unreferenced(std::size_t pool_pages_needed) {
     std::lock_guard lock(mutex_);
     PrefixEviction done;
@@ -296,16 +315,19 @@ class PrefixIndex {
     PrefixIndexStats s = stats_;
     s.cached_pages = cached_nodes_ - namespaces_.size();  // every namespace has one root node
     s.cached_pool_pages = s.cached_pages * streams_;
-    s.cached_page_bytes = s.cached_pool_pages * (pool_.format().payload_bytes + pool_.format().metadata_bytes);
+    s.cached_page_bytes =
+        s.cached_pool_pages * (pool_.format().payload_bytes + pool_.format().metadata_bytes);
     s.evictable_pages = heap_.size();
     s.namespaces = namespaces_.size();
     s.index_bytes = nodes_.capacity() * sizeof(Node) + tokens_.capacity() * sizeof(TokenId) +
-                    pages_.capacity() * sizeof(PageId) + free_nodes_.capacity() * sizeof(std::uint32_t) +
+                    pages_.capacity() * sizeof(PageId) +
+                    free_nodes_.capacity() * sizeof(std::uint32_t) +
                     path_.capacity() * sizeof(std::uint32_t) + children_.bytes() + heap_.bytes() +
                     namespaces_.bucket_count() * sizeof(void*);
     for (const auto& [key, root] : namespaces_) {
       s.index_bytes += sizeof(std::pair<const PrefixKey, std::uint32_t>) + 2 * sizeof(void*) +
-                       key.model_id.capacity() + key.layout.capacity() + key.codec.capacity() + key.salt.capacity();
+                       key.model_id.capacity() + key.layout.capacity() + key.codec.capacity() +
+                       key.salt.capacity();
     }
     return s;
   }
@@ -317,9 +339,9 @@ class PrefixIndex {
   struct Node {
     std::uint32_t parent = kNone;
     std::uint32_t children = 0;
-    std::uint32_t pins = 0;      // leases on this node
-    std::uint64_t child_key = 0; // its hash in children_: (parent, block hash)
-    std::uint64_t last_use = 0;  // clock_ of the last match or insert through it
+    std::uint32_t pins = 0;               // leases on this node
+    std::uint64_t child_key = 0;          // its hash in children_: (parent, block hash)
+    std::uint64_t last_use = 0;           // clock_ of the last match or insert through it
     const PrefixKey* root_key = nullptr;  // roots only: their key in namespaces_ (node-stable)
     bool alive = false;
   };
@@ -336,11 +358,12 @@ class PrefixIndex {
   void check_key(const PrefixKey& key) const {
     key.validate();
     KVPACK_CHECK(static_cast<std::size_t>(key.page_size) == page_size_, kInvalidArgument,
-                 detail::message("PrefixKey.page_size (", key.page_size, ") differs from the index's (",
-                                 page_size_, ")"));
+                 detail::message("PrefixKey.page_size (", key.page_size,
+                                 ") differs from the index's (", page_size_, ")"));
   }
 
-  [[nodiscard]] std::span<const TokenId> block(std::span<const TokenId> tokens, std::size_t p) const noexcept {
+  [[nodiscard]] std::span<const TokenId> block(std::span<const TokenId> tokens,
+                                               std::size_t p) const noexcept {
     return tokens.subspan(p * page_size_, page_size_);
   }
   [[nodiscard]] std::span<TokenId> tokens_of(std::uint32_t id) noexcept {
@@ -357,13 +380,15 @@ class PrefixIndex {
     return Fingerprint(block_hash).add_word(parent).value();
   }
 
-  [[nodiscard]] std::uint32_t find_child(std::uint32_t parent, std::span<const TokenId> tokens) const {
+  [[nodiscard]] std::uint32_t find_child(std::uint32_t parent,
+                                         std::span<const TokenId> tokens) const {
     const std::uint64_t key = child_key(parent, block_hash_(tokens));
     return children_.find(key, [&](std::uint32_t id) {
       const Node& n = nodes_[id];
       if (n.child_key != key || n.parent != parent) return false;
       const auto cached = tokens_of(id);
-      return std::equal(cached.begin(), cached.end(), tokens.begin());  // never trust the hash alone
+      return std::equal(cached.begin(), cached.end(),
+                        tokens.begin());  // never trust the hash alone
     });
   }
 
@@ -388,8 +413,9 @@ class PrefixIndex {
   void reserve_nodes(std::size_t fresh) {
     const std::size_t reused = std::min(fresh, free_nodes_.size());
     const std::size_t total = nodes_.size() + (fresh - reused);
-    KVPACK_CHECK(total < kNone, kOutOfRange,
-                 detail::message("PrefixIndex holds at most ", kNone - 1, " pages, ", total, " needed"));
+    KVPACK_CHECK(
+        total < kNone, kOutOfRange,
+        detail::message("PrefixIndex holds at most ", kNone - 1, " pages, ", total, " needed"));
     if (total > nodes_.capacity()) nodes_.reserve(std::max(total, 2 * nodes_.capacity()));
     // Each array follows nodes_' capacity on its own (no-ops when it already does), so a throw
     // between them leaves nothing behind that a later call would miss.
@@ -398,7 +424,8 @@ class PrefixIndex {
     pages_.reserve(capacity * streams_);
     free_nodes_.reserve(capacity);
     heap_.reserve(capacity);
-    children_.reserve(children_.size() + fresh, [&](std::uint32_t id) { return nodes_[id].child_key; });
+    children_.reserve(children_.size() + fresh,
+                      [&](std::uint32_t id) { return nodes_[id].child_key; });
   }
 
   std::uint32_t new_node() noexcept {
@@ -444,7 +471,8 @@ class PrefixIndex {
     done.pool_refs += streams_;
     ++done.token_pages;
     const std::uint32_t parent = nodes_[id].parent;
-    children_.erase(id, nodes_[id].child_key, [&](std::uint32_t other) { return nodes_[other].child_key; });
+    children_.erase(id, nodes_[id].child_key,
+                    [&](std::uint32_t other) { return nodes_[other].child_key; });
     free_node(id);
     Node& p = nodes_[parent];
     --p.children;
@@ -465,14 +493,14 @@ class PrefixIndex {
 
   mutable std::mutex mutex_;
   std::unordered_map<PrefixKey, std::uint32_t, PrefixKeyHash> namespaces_;  // key -> root node
-  std::vector<Node> nodes_;          // by node id; roots included
-  std::vector<TokenId> tokens_;      // [node][page_size]
-  std::vector<PageId> pages_;        // [node][streams]
+  std::vector<Node> nodes_;      // by node id; roots included
+  std::vector<TokenId> tokens_;  // [node][page_size]
+  std::vector<PageId> pages_;    // [node][streams]
   std::vector<std::uint32_t> free_nodes_;
-  detail::NodeHashTable children_;   // every non-root node, by (parent, tokens)
-  detail::IndexedMinHeap heap_;      // unpinned leaves in LRU order
+  detail::NodeHashTable children_;           // every non-root node, by (parent, tokens)
+  detail::IndexedMinHeap heap_;              // unpinned leaves in LRU order
   mutable std::vector<std::uint32_t> path_;  // scratch of find_path, under mutex_
-  std::size_t cached_nodes_ = 0;     // alive nodes, roots included
+  std::size_t cached_nodes_ = 0;             // alive nodes, roots included
   std::uint64_t clock_ = 0;
   PrefixIndexStats stats_;
 };

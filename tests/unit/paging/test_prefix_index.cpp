@@ -1,6 +1,5 @@
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <map>
 #include <random>
@@ -50,7 +49,8 @@ struct Sequence {
 };
 
 // Prefills the whole pages of `tokens` into fresh pool pages (one per stream) and caches them.
-Sequence prefill_and_insert(PrefixIndex& index, PagePool& pool, const PrefixKey& key, Tokens tokens) {
+Sequence prefill_and_insert(PrefixIndex& index, PagePool& pool, const PrefixKey& key,
+                            Tokens tokens) {
   Sequence s;
   s.tokens = std::move(tokens);
   const std::size_t whole = s.tokens.size() / kPage;
@@ -95,15 +95,19 @@ struct Reference {
 
   void insert(int ns, const Sequence& s, std::size_t streams) {
     for (std::size_t p = 0; p < s.tokens.size() / kPage; ++p) {
-      Tokens prefix(s.tokens.begin(), s.tokens.begin() + static_cast<std::ptrdiff_t>((p + 1) * kPage));
+      Tokens prefix(s.tokens.begin(),
+                    s.tokens.begin() + static_cast<std::ptrdiff_t>((p + 1) * kPage));
       const auto first = s.pages.begin() + static_cast<std::ptrdiff_t>(p * streams);
-      pages.emplace(std::pair{ns, std::move(prefix)}, std::vector<PageId>(first, first + static_cast<std::ptrdiff_t>(streams)));
+      pages.emplace(std::pair{ns, std::move(prefix)},
+                    std::vector<PageId>(first, first + static_cast<std::ptrdiff_t>(streams)));
     }
   }
   [[nodiscard]] std::size_t longest(int ns, const Tokens& tokens) const {
     std::size_t best = 0;
     for (std::size_t p = 1; p * kPage <= tokens.size(); ++p) {
-      if (pages.count({ns, Tokens(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(p * kPage))})) best = p;
+      if (pages.count({ns, Tokens(tokens.begin(),
+                                  tokens.begin() + static_cast<std::ptrdiff_t>(p * kPage))}))
+        best = p;
     }
     return best;
   }
@@ -114,7 +118,8 @@ void check_against_reference(PrefixIndexOptions options) {
   PagePool pool(PageFormat{64, 8}, 1 << 16);
   PrefixIndex index(pool, kPage, kStreams, options);
   // Three namespaces: another codec parameter set and another salt must not see the first's pages.
-  const PrefixKey keys[3] = {make_key("q8_0", 7), make_key("q8_0", 8), make_key("q8_0", 7, "tenant-b")};
+  const PrefixKey keys[3] = {make_key("q8_0", 7), make_key("q8_0", 8),
+                             make_key("q8_0", 7, "tenant-b")};
   std::mt19937 rng(1234);
   std::vector<Tokens> earlier;
   Reference reference;
@@ -136,7 +141,8 @@ void check_against_reference(PrefixIndexOptions options) {
       CHECK(match.lease.pages() == expected);
       CHECK(index.cached_prefix_pages(keys[ns], tokens) == expected);
       for (std::size_t p = 0; p < match.pages; ++p) {
-        const Tokens prefix(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>((p + 1) * kPage));
+        const Tokens prefix(tokens.begin(),
+                            tokens.begin() + static_cast<std::ptrdiff_t>((p + 1) * kPage));
         const auto ids = match.page(p);
         CHECK(std::vector<PageId>(ids.begin(), ids.end()) == reference.pages.at({ns, prefix}));
         for (PageId id : ids) CHECK(pool.ref_count(id) == 1);  // the index's reference only
@@ -165,11 +171,13 @@ void check_against_reference(PrefixIndexOptions options) {
 
 }  // namespace
 
-TEST_CASE("match finds the longest cached whole-page prefix, as a brute-force search does", "[paging][prefix]") {
+TEST_CASE("match finds the longest cached whole-page prefix, as a brute-force search does",
+          "[paging][prefix]") {
   check_against_reference({});
 }
 
-TEST_CASE("with every page hashing alike, matching still compares tokens and stays exact", "[paging][prefix]") {
+TEST_CASE("with every page hashing alike, matching still compares tokens and stays exact",
+          "[paging][prefix]") {
   check_against_reference(PrefixIndexOptions{&constant_hash});
 }
 
@@ -185,7 +193,8 @@ TEST_CASE("a partial last page never matches", "[paging][prefix]") {
   release(pool, s);
 }
 
-TEST_CASE("pages cached under one key are never found under a key that differs in any field", "[paging][prefix]") {
+TEST_CASE("pages cached under one key are never found under a key that differs in any field",
+          "[paging][prefix]") {
   PagePool pool(PageFormat{64, 8}, 256);
   PrefixIndex index(pool, kPage, 2);
   const PrefixKey base = make_key();
@@ -198,7 +207,7 @@ TEST_CASE("pages cached under one key are never found under a key that differs i
   others[1].layout = "cross_layer<gqa,2>";
   others[2].shape.kv_heads = 4;
   others[3].codec = "q4_0";
-  others[4].codec_params = 8;  // same codec, another scale or codebook
+  others[4].codec_params = 8;   // same codec, another scale or codebook
   others[5].cache_options = 1;  // e.g. pre-RoPE keys
   others[6].salt = "tenant-b";
   for (const PrefixKey& other : others) {
@@ -226,7 +235,8 @@ TEST_CASE("fingerprints change with any parameter and keep run boundaries", "[pa
   const auto of = [](std::span<const float> s) { return Fingerprint().add(s).value(); };
   CHECK(of(scales) == of(scales));
   CHECK(of(scales) != of(other));
-  CHECK(Fingerprint().add(std::uint64_t{1}).value() != Fingerprint(1).add(std::uint64_t{1}).value());  // seeds
+  CHECK(Fingerprint().add(std::uint64_t{1}).value() !=
+        Fingerprint(1).add(std::uint64_t{1}).value());  // seeds
   const std::vector<int> a{1, 2}, b{3}, c{1}, d{2, 3};
   CHECK(Fingerprint().add(std::span<const int>(a)).add(std::span<const int>(b)).value() !=
         Fingerprint().add(std::span<const int>(c)).add(std::span<const int>(d)).value());
@@ -235,7 +245,8 @@ TEST_CASE("fingerprints change with any parameter and keep run boundaries", "[pa
   CHECK(make_key().fingerprint() != make_key("q8_0", 7, "x").fingerprint());
 }
 
-TEST_CASE("colliding siblings stay findable while others of their probe run are evicted", "[paging][prefix]") {
+TEST_CASE("colliding siblings stay findable while others of their probe run are evicted",
+          "[paging][prefix]") {
   PagePool pool(PageFormat{64, 8}, 256);
   PrefixIndex index(pool, kPage, 1, PrefixIndexOptions{&constant_hash});
   const PrefixKey key = make_key();
@@ -254,7 +265,8 @@ TEST_CASE("colliding siblings stay findable while others of their probe run are 
   CHECK(pool.pages_in_use() == 0);
 }
 
-TEST_CASE("eviction takes least recently used leaves, a sequence's tail before its prefix", "[paging][prefix]") {
+TEST_CASE("eviction takes least recently used leaves, a sequence's tail before its prefix",
+          "[paging][prefix]") {
   PagePool pool(PageFormat{64, 8}, 256);
   PrefixIndex index(pool, kPage, 2);
   const PrefixKey key = make_key();
@@ -311,7 +323,7 @@ TEST_CASE("reclaim never frees a page a live sequence holds", "[paging][prefix]"
   live.lease.reset();  // the reader's lease alone pins the path now
 
   const auto done = index.evict_unreferenced(PrefixIndex::kAllPages);
-  CHECK(done.token_pages == 1);     // only the finished sequence's page
+  CHECK(done.token_pages == 1);       // only the finished sequence's page
   CHECK(done.pool_pages_freed == 0);  // which its sequence still holds
   CHECK(index.cached_prefix_pages(key, live.tokens) == 2);
   for (PageId id : live.pages) CHECK(pool.ref_count(id) == 3);  // live, reader, index
@@ -331,18 +343,21 @@ TEST_CASE("reclaim never frees a page a live sequence holds", "[paging][prefix]"
   CHECK(pool.pages_in_use() == 0);
 }
 
-TEST_CASE("inserting an already cached path keeps the first pages and balances references", "[paging][prefix]") {
+TEST_CASE("inserting an already cached path keeps the first pages and balances references",
+          "[paging][prefix]") {
   PagePool pool(PageFormat{64, 8}, 256);
   PrefixIndex index(pool, kPage, 2);
   const PrefixKey key = make_key();
   Sequence first = prefill_and_insert(index, pool, key, {1, 2, 3, 4});
   Sequence again = prefill_and_insert(index, pool, key, {1, 2, 3, 4, 5, 6, 7, 8});
   for (PageId id : first.pages) CHECK(pool.ref_count(id) == 2);
-  for (std::size_t i = 0; i < 2; ++i) CHECK(pool.ref_count(again.pages[i]) == 1);  // duplicate: not cached
+  for (std::size_t i = 0; i < 2; ++i)
+    CHECK(pool.ref_count(again.pages[i]) == 1);  // duplicate: not cached
   for (std::size_t i = 2; i < 4; ++i) CHECK(pool.ref_count(again.pages[i]) == 2);
   const auto m = index.match(key, again.tokens);
   REQUIRE(m.pages == 2);
-  CHECK(std::vector<PageId>(m.page(0).begin(), m.page(0).end()) == std::vector<PageId>(first.pages));
+  CHECK(std::vector<PageId>(m.page(0).begin(), m.page(0).end()) ==
+        std::vector<PageId>(first.pages));
   CHECK(index.stats().inserted_pages == 2);
   release(pool, first);
   release(pool, again);
@@ -369,8 +384,8 @@ TEST_CASE("statistics count hits, the hit rate and the pages saved", "[paging][p
   const std::size_t empty_bytes = index.stats().index_bytes;
   Sequence s = prefill_and_insert(index, pool, key, {1, 2, 3, 4, 5, 6, 7, 8});
   (void)index.match(key, Tokens{1, 2, 3, 4, 5, 6, 7, 8, 9, 10});  // 8 of 10 tokens
-  (void)index.match(key, Tokens{1, 2, 3, 4, 0, 0});                // 4 of 6
-  (void)index.match(key, Tokens{9, 9, 9, 9});                      // 0 of 4
+  (void)index.match(key, Tokens{1, 2, 3, 4, 0, 0});               // 4 of 6
+  (void)index.match(key, Tokens{9, 9, 9, 9});                     // 0 of 4
   const auto stats = index.stats();
   CHECK(stats.lookups == 3);
   CHECK(stats.lookup_tokens == 20);
@@ -400,7 +415,8 @@ TEST_CASE("bad input is rejected with a named error and changes nothing", "[pagi
   };
   CHECK(code_of([&] { PrefixIndex(pool, 0, 1); }) == ErrorCode::kInvalidConfig);
   CHECK(code_of([&] { PrefixIndex(pool, kPage, 0); }) == ErrorCode::kInvalidConfig);
-  CHECK(code_of([&] { PrefixIndex(pool, kPage, 1, PrefixIndexOptions{nullptr}); }) == ErrorCode::kInvalidConfig);
+  CHECK(code_of([&] { PrefixIndex(pool, kPage, 1, PrefixIndexOptions{nullptr}); }) ==
+        ErrorCode::kInvalidConfig);
 
   PrefixIndex index(pool, kPage, 2);
   const Tokens tokens{1, 2, 3, 4};
@@ -417,13 +433,17 @@ TEST_CASE("bad input is rejected with a named error and changes nothing", "[pagi
     CHECK(code_of([&] { (void)index.insert(key, tokens, pages); }) == ErrorCode::kInvalidArgument);
   }
   const PrefixKey key = make_key();
-  CHECK(code_of([&] { (void)index.insert(key, Tokens{1, 2, 3, 4, 5}, pages); }) == ErrorCode::kInvalidArgument);
-  CHECK(code_of([&] { (void)index.insert(key, tokens, std::span<const PageId>(pages).first(1)); }) ==
-        ErrorCode::kInvalidArgument);
+  CHECK(code_of([&] {
+          (void)index.insert(key, Tokens{1, 2, 3, 4, 5}, pages);
+        }) == ErrorCode::kInvalidArgument);
+  CHECK(code_of([&] {
+          (void)index.insert(key, tokens, std::span<const PageId>(pages).first(1));
+        }) == ErrorCode::kInvalidArgument);
   try {
     (void)index.insert(key, Tokens{1, 2, 3, 4, 5}, pages);
   } catch (const kvpack::Error& e) {
-    CHECK(std::string(e.what()).find("5 tokens is not a multiple of page_size 4") != std::string::npos);
+    CHECK(std::string(e.what()).find("5 tokens is not a multiple of page_size 4") !=
+          std::string::npos);
   }
   const auto stats = index.stats();
   CHECK(stats.cached_pages == 0);
@@ -434,7 +454,8 @@ TEST_CASE("bad input is rejected with a named error and changes nothing", "[pagi
   CHECK(pool.pages_in_use() == 0);
 }
 
-TEST_CASE("concurrent match, insert, lease release and eviction balance to zero", "[paging][prefix][threads]") {
+TEST_CASE("concurrent match, insert, lease release and eviction balance to zero",
+          "[paging][prefix][threads]") {
   constexpr std::size_t kStreams = 2;
   PagePool pool(PageFormat{64, 8}, 1 << 14);
   PrefixIndex index(pool, kPage, kStreams);
@@ -446,7 +467,8 @@ TEST_CASE("concurrent match, insert, lease release and eviction balance to zero"
       std::mt19937 rng(static_cast<std::uint32_t>(t));
       for (int i = 0; i < 300; ++i) {
         Tokens tokens = system;
-        const Tokens own = random_tokens(rng, kPage * (1 + rng() % 2), 2);  // often equal across threads
+        const Tokens own =
+            random_tokens(rng, kPage * (1 + rng() % 2), 2);  // often equal across threads
         tokens.insert(tokens.end(), own.begin(), own.end());
         auto m = index.match(key, tokens);
         std::vector<PageId> table(tokens.size() / kPage * kStreams);

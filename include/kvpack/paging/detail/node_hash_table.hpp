@@ -70,7 +70,9 @@ class NodeHashTable {
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] std::size_t bytes() const noexcept { return slots_.capacity() * sizeof(std::uint32_t); }
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    return slots_.capacity() * sizeof(std::uint32_t);
+  }
 
  private:
   void place(std::uint32_t id, std::uint64_t hash) noexcept {
