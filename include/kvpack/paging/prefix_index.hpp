@@ -145,7 +145,8 @@ struct PrefixIndexStats {
 struct PrefixEviction {
   std::size_t token_pages = 0;  ///< nodes dropped
   std::size_t pool_refs = 0;    ///< pool references released: token_pages × streams
-  /// Of them, pages that went back to the pool (no other holder)
+  /// Of them, pages that went back to the pool (no other holder), as the index saw them: a
+  /// holder releasing the same page at the same moment may free it uncounted (never the reverse).
   std::size_t pool_pages_freed = 0;
 };
 
