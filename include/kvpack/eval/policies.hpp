@@ -235,7 +235,18 @@ Policy make_kvquant_policy() {
 inline constexpr index_t kEvictionBudgetTokens = 512;
 
 /// Every built-in policy, full precision first. New policies add themselves here.
+/// Instantiating them all costs a translation unit minutes of compile time: a project with many
+/// such units can compile the definition once, in a file that defines
+/// KVPACK_EVAL_DEFINE_BUILTIN_POLICIES before including this header, and define
+/// KVPACK_EVAL_PREBUILT_POLICIES everywhere (kvpack's own build: kvpack_eval_policies).
+#if defined(KVPACK_EVAL_PREBUILT_POLICIES) && !defined(KVPACK_EVAL_DEFINE_BUILTIN_POLICIES)
+std::vector<Policy> builtin_policies();
+#else
+#if defined(KVPACK_EVAL_PREBUILT_POLICIES)
+std::vector<Policy> builtin_policies() {
+#else
 inline std::vector<Policy> builtin_policies() {
+#endif
   constexpr index_t budget = kEvictionBudgetTokens;
   const std::string tokens = std::to_string(budget) + " tokens per KV stream";
   return {
@@ -277,6 +288,7 @@ inline std::vector<Policy> builtin_policies() {
                                evict::SnapKV<>{.budget = evict::Uniform{budget}}),
   };
 }
+#endif
 
 /// The built-in policy called `name`.
 /// \throws kvpack::Error (kInvalidArgument) naming the known policies when there is none.
