@@ -5,9 +5,11 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <numeric>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "kvpack/kvpack.hpp"
@@ -87,11 +89,13 @@ std::size_t pages_of(const Cache& cache) {
 constexpr std::size_t kStreams = 2 * 2;
 
 template <class Quantizer>
-void check_hit_matches_full_prefill(index_t tail_tokens, std::size_t a_len, std::size_t common, std::size_t own) {
+void check_hit_matches_full_prefill(const CacheConfig& config, std::size_t a_len, std::size_t common,
+                                    std::size_t own) {
   // A: an a_len-token prompt (K/V stream 1); B: A's first `common` tokens and `own` of its own
   // (stream 2), against a cache without sharing that prefills B's whole prompt.
-  KVCache<layout::GQA, Quantizer> shared(kShape, sharing_config(tail_tokens));
-  CacheConfig plain_config = sharing_config(tail_tokens);
+  const index_t tail_tokens = config.tail_tokens;
+  KVCache<layout::GQA, Quantizer> shared(kShape, config);
+  CacheConfig plain_config = config;
   plain_config.prefix_sharing.reset();
   KVCache<layout::GQA, Quantizer> plain(kShape, plain_config);
   const auto page = static_cast<std::size_t>(kPage);
@@ -144,14 +148,47 @@ void check_hit_matches_full_prefill(index_t tail_tokens, std::size_t a_len, std:
 
 TEST_CASE("a second sequence reuses the cached prompt pages and attends bit-identically to a full prefill",
           "[cache][prefix]") {
-  SECTION("f16, no extra tail") { check_hit_matches_full_prefill<quant::Float<half>>(0, 100, 80, 40); }
-  SECTION("q8_0, no extra tail") { check_hit_matches_full_prefill<quant::Q8_0>(0, 100, 80, 40); }
-  SECTION("q8_0, B a prefix of A") { check_hit_matches_full_prefill<quant::Q8_0>(0, 100, 64, 0); }
+  SECTION("f16, no extra tail") { check_hit_matches_full_prefill<quant::Float<half>>(sharing_config(), 100, 80, 40); }
+  SECTION("q8_0, no extra tail") { check_hit_matches_full_prefill<quant::Q8_0>(sharing_config(), 100, 80, 40); }
+  SECTION("q8_0, B a prefix of A") { check_hit_matches_full_prefill<quant::Q8_0>(sharing_config(), 100, 64, 0); }
   // With a 32-token fp32 tail, A's last 32 tokens were never encoded, and the hit leaves at
   // least 32 tokens to prefill so that B's tail fills as a full prefill's does: B, A's first 100
   // tokens, reuses 64 of A's 128 cached, not 96.
-  SECTION("q4_0, tail_tokens 32") { check_hit_matches_full_prefill<quant::Q4_0>(32, 100, 80, 40); }
-  SECTION("q4_0, tail_tokens 32, B a prefix of A") { check_hit_matches_full_prefill<quant::Q4_0>(32, 160, 100, 0); }
+  SECTION("q4_0, tail_tokens 32") { check_hit_matches_full_prefill<quant::Q4_0>(sharing_config(32), 100, 80, 40); }
+  SECTION("q4_0, tail_tokens 32, B a prefix of A") {
+    check_hit_matches_full_prefill<quant::Q4_0>(sharing_config(32), 160, 100, 0);
+  }
+  // Keys stored before RoPE are rotated by the positions in the shared pages' metadata.
+  SECTION("q8_0, pre-RoPE keys") {
+    CacheConfig config = sharing_config();
+    config.key_rope = RopeSpec{};
+    check_hit_matches_full_prefill<quant::Q8_0>(config, 100, 80, 40);
+  }
+  // Page summaries live in the shared pages' metadata, written once from the same bytes.
+  SECTION("f16 with select::Quest") {
+    // Not templated on the selector: a direct check of one combination.
+    using Quest = KVCache<layout::GQA, quant::Float<half>, evict::KeepAll, select::Quest>;
+    select::Quest quest;
+    quest.token_budget = 32;
+    quest.dense_layers = 0;
+    Quest shared(kShape, sharing_config(), {}, {}, {}, quest);
+    CacheConfig plain_config = sharing_config();
+    plain_config.prefix_sharing.reset();
+    Quest plain(kShape, plain_config, {}, {}, {}, quest);
+    const PrefixHit a = shared.add_sequence(tokens(100, 0));
+    prefill_from(shared, a.seq, all_layers(100, 1, 0, 2), 0);
+    shared.share_prefix(a.seq);
+    std::vector<TokenId> prompt_b = tokens(80, 0);
+    const std::vector<TokenId> own = tokens(40, 900);
+    prompt_b.insert(prompt_b.end(), own.begin(), own.end());
+    const PrefixHit b = shared.add_sequence(prompt_b);
+    REQUIRE(b.cached_tokens == 80);
+    const std::vector<Rows> kv_b = all_layers(80, 1, 40, 2);
+    prefill_from(shared, b.seq, kv_b, 80);
+    const SeqId full = plain.add_sequence();
+    prefill_from(plain, full, kv_b, 0);
+    for (index_t layer = 0; layer < kShape.layers; ++layer) CHECK(attend(shared, b.seq, layer) == attend(plain, full, layer));
+  }
 }
 
 TEST_CASE("the hit leaves the tail's tokens and the last token to prefill", "[cache][prefix]") {
@@ -444,4 +481,75 @@ TEST_CASE("prefix sharing's calls running out of memory at any allocation leave 
   cache.release(forked);
   CHECK(cache.evict_prefix_cache().pool_pages_freed == 4 * kStreams);
   CHECK(cache.memory().pages_in_use == 0);
+}
+
+TEST_CASE("CrossLayer caches share their written layers' pages", "[cache][prefix]") {
+  // 4 model layers, 2 cache layers (written by layers 0 and 2): a token page covers 2 x 2 streams.
+  const ModelShape shape{4, 4, 2, 32};
+  using Cache = KVCache<layout::CrossLayer<layout::GQA, 2>, quant::Q8_0>;
+  Cache shared(shape, sharing_config());
+  CacheConfig plain_config = sharing_config();
+  plain_config.prefix_sharing.reset();
+  Cache plain(shape, plain_config);
+  auto write = [&](Cache& cache, SeqId seq, std::size_t from, std::size_t count) {
+    for (index_t layer : {0, 2}) {
+      const Rows r = prompt_rows(48, 1, 24, 2, layer);
+      cache.prefill(seq, layer, std::span<const float>(r.keys).subspan(from * kRow, (count - from) * kRow),
+                    std::span<const float>(r.values).subspan(from * kRow, (count - from) * kRow));
+    }
+  };
+  const PrefixHit a = shared.add_sequence(tokens(72, 0));
+  write(shared, a.seq, 0, 72);
+  CHECK(shared.share_prefix(a.seq) == 64);
+  const std::size_t pages = shared.memory().pages_in_use;
+  CHECK(pages == 4 * kStreams);
+  const PrefixHit b = shared.add_sequence(tokens(72, 0));
+  REQUIRE(b.cached_tokens == 64);
+  write(shared, b.seq, 64, 72);
+  CHECK(shared.memory().pages_in_use == pages);  // B's 8 own tokens stay in its tail
+  const SeqId full = plain.add_sequence();
+  write(plain, full, 0, 72);
+  const auto q = test::random_rows(4, 32, 7);
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    std::vector<float> x(q.size()), y(q.size());
+    shared.attend(b.seq, layer, std::span<const float>(q), std::span<float>(x), 0.2f);
+    plain.attend(full, layer, std::span<const float>(q), std::span<float>(y), 0.2f);
+    CHECK(x == y);
+  }
+}
+
+TEST_CASE("sequences sharing a prompt are added, written and released from several threads", "[cache][prefix][threads]") {
+  CacheConfig config = sharing_config();
+  config.max_pages = 40 * kStreams;  // tight: writes reclaim cached pages while others match
+  KVCache<layout::GQA, quant::Float<half>> cache(kShape, config);
+  const std::vector<Rows> kv = all_layers(64, 1, 0, 2);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  std::atomic<long> hits{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 30; ++i) {
+        // Every prompt starts with the same 48 tokens; the rest depends on the thread and turn.
+        std::vector<TokenId> prompt = tokens(64, 0);
+        for (std::size_t j = 48; j < 64; ++j) prompt[j] = 100000 + t * 1000 + (i % 3);
+        try {
+          const PrefixHit h = cache.add_sequence(prompt);
+          hits += h.cached_tokens;
+          prefill_from(cache, h.seq, kv, static_cast<std::size_t>(h.cached_tokens));
+          if (i % 2 == 0) cache.share_prefix(h.seq);
+          if (cache.length(h.seq, 1) != 64) ++failures;
+          cache.release(h.seq);
+        } catch (const std::exception&) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  CHECK(failures == 0);
+  CHECK(hits > 0);
+  CHECK(cache.sequence_count() == 0);
+  cache.evict_prefix_cache();
+  CHECK(cache.memory().pages_in_use == 0);
+  CHECK(cache.prefix_stats().cached_pages == 0);
 }
