@@ -69,6 +69,10 @@ struct PrefixHit {
 /// `attend` adds every token's attention probability to its score, so attending a sequence
 /// changes it: one thread at a time per sequence.
 ///
+/// Prefix sharing (CacheConfig::prefix_sharing, off by default): add_sequence(tokens) starts a
+/// sequence on the cached pages of the longest whole-page prefix of its prompt, and share_prefix
+/// and release cache a prompt's whole pages; see the README's "Prefix sharing".
+///
 /// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K> — how tokens map to KV streams, and
 ///                   which layers keep a cache
 /// \tparam Quantizer quant::Float<T>, quant::FP8<F>, quant::Int8, quant::Q8_0, quant::Q4_0, ...
@@ -1805,9 +1809,9 @@ class KVCache {
     pool_.allocate(out);
   }
 
-  /// The PrefixKey of this cache now. The codec parameters are fingerprinted at every call:
-  /// calibrating codecs (FP8, KVQuant) fix theirs on a layer's first page, so pages encoded with
-  /// other parameters never match.
+  /// The PrefixKey of this cache now. The codec parameters are fingerprinted at every call: FP8
+  /// calibrated from the first prefill fixes a layer's scales with its first page, and a lookup
+  /// must only meet pages encoded with the parameters in force.
   [[nodiscard]] paging::PrefixKey prefix_key(const std::string& salt) {
     paging::PrefixKey key;
     key.model_id = config_.prefix_sharing->model_id;
