@@ -7,13 +7,15 @@
 #      (new inputs go to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), two
 #      at a time to use both cores: fuzz_cache_ops (random operation sequences against the
 #      reference model) for KVPACK_FUZZ_SECONDS (default 60) then fuzz_eviction_ops (the same on
-#      evicting caches) for a third of it, and beside them, one after another,
+#      evicting caches) and fuzz_prefix_ops (prefix sharing against a twin without it) for a third
+#      of it each, and beside them, one after another,
 #      fuzz_kv_dump (the K/V dump loader) for 10^6 runs, fuzz_config (configs and shapes) and
 #      fuzz_codec_spans (K/V bit patterns through every codec) for KVPACK_FUZZ_SECONDS / 3 each:
 #      KVPACK_FUZZ_RUNS overrides the dump loader's runs. Each
 #      target's log is in build-asan/fuzz-<name>.log; its final counts are printed.
 #   2. build-tsan/: clang, -O1 -g, ThreadSanitizer; the "[threads]" tests (the concurrency stress
-#      test, the executor, the pool), built alone as kvpack_test_threads.
+#      test, the executor, the pool, the prefix index and prefix sharing in the cache), built alone
+#      as kvpack_test_threads.
 # Not under sanitizers, for time (2 cores): the eval module (but for its dump loader), the examples and their tests, the
 # benches, the compile-only and packaging checks; the normal build runs all of them.
 #
@@ -44,7 +46,7 @@ run() {
 if [[ "$which_builds" != tsan ]]; then
   modules=(core paging quant kernels cache)
   cmake -S . -B build-asan "${common[@]}" -DKVPACK_SANITIZE=address,undefined -DKVPACK_BUILD_FUZZERS=ON
-  fuzzers=(cache_ops eviction_ops kv_dump config codec_spans)
+  fuzzers=(cache_ops eviction_ops prefix_ops kv_dump config codec_spans)
   cmake --build build-asan -j"$jobs" --target "${modules[@]/#/kvpack_test_}" "${fuzzers[@]/#/kvpack_fuzz_}"
   export ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
@@ -81,7 +83,8 @@ if [[ "$which_builds" != tsan ]]; then
     echo "run_sanitizers: fuzz_$name passed in $((SECONDS - start)) s"
   }
   seconds="${KVPACK_FUZZ_SECONDS:-60}"
-  { fuzz cache_ops -max_total_time="$seconds" && fuzz eviction_ops -max_total_time=$((seconds / 3)); } &
+  { fuzz cache_ops -max_total_time="$seconds" && fuzz eviction_ops -max_total_time=$((seconds / 3)) &&
+      fuzz prefix_ops -max_total_time=$((seconds / 3)); } &
   cache_ops_pid=$!
   # A failure stops a chain but still waits for the other, so that no fuzzer outlives the script.
   status=0

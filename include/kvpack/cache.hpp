@@ -14,6 +14,8 @@
 #include <numeric>
 #include <shared_mutex>
 #include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "kvpack/kernels/attend_stream.hpp"
 #include "kvpack/layout/layout_concepts.hpp"
 #include "kvpack/paging/page_pool.hpp"
+#include "kvpack/paging/prefix_index.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 #include "kvpack/select/dense.hpp"
 #include "kvpack/select/quest.hpp"
@@ -38,6 +41,13 @@ namespace kvpack::inline v0 {
 /// kvpack::bfloat16, or a caller's own type convertible to float.
 template <class T>
 concept InputElement = std::is_convertible_v<T, float>;
+
+/// What `KVCache::add_sequence(tokens)` returns: the new sequence and how many of its first
+/// tokens it already holds (whole pages of a cached prefix, in every layer); prefill the rest.
+struct PrefixHit {
+  SeqId seq = 0;
+  index_t cached_tokens = 0;
+};
 
 /// The KV cache of one model: many sequences, each a stream per (layer, KV stream) of pages
 /// plus a full-precision tail. See DESIGN.md §2–§3.
@@ -58,6 +68,10 @@ concept InputElement = std::is_convertible_v<T, float>;
 /// (`pin`) and the exact prefix are never dropped. With an evictor that needs scores (H2O),
 /// `attend` adds every token's attention probability to its score, so attending a sequence
 /// changes it: one thread at a time per sequence.
+///
+/// Prefix sharing (CacheConfig::prefix_sharing, off by default): add_sequence(tokens) starts a
+/// sequence on the cached pages of the longest whole-page prefix of its prompt, and share_prefix
+/// and release cache a prompt's whole pages; see the README's "Prefix sharing".
 ///
 /// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K> — how tokens map to KV streams, and
 ///                   which layers keep a cache
@@ -160,6 +174,20 @@ class KVCache {
     }
     // shape_ was validated: layers > 0 (max() tells the compiler so).
     calibrated_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(std::max<index_t>(cache_layers_, 1)));
+    if (config_.prefix_sharing) {
+      // An evictor's dead slots and compactions would have to be shared or undone per sequence,
+      // and a hit would need the evictor's per-slot state (scores, live rows) rebuilt: not yet.
+      KVPACK_CHECK(!kEvicts, kUnsupported,
+                   "CacheConfig.prefix_sharing needs an evictor that keeps every token (evict::KeepAll): "
+                   "shared pages under eviction are not supported yet");
+      // The exact prefix is fp32 rows per sequence, not pages: a hit could not supply them.
+      KVPACK_CHECK(config_.exact_prefix_tokens == 0, kUnsupported,
+                   detail::message("CacheConfig.prefix_sharing shares whole pages from the first token: it needs "
+                                   "exact_prefix_tokens == 0, got ", config_.exact_prefix_tokens));
+      prefix_options_ = prefix_options_fingerprint();
+      prefix_index_ = std::make_unique<paging::PrefixIndex>(
+          pool_, config_.page_size, static_cast<std::size_t>(cache_layers_) * streams_);
+    }
   }
 
   KVCache(const KVCache&) = delete;
@@ -181,6 +209,101 @@ class KVCache {
     sequences_.emplace(id, std::move(sequence));  // may throw bad_alloc: no id used up
     ++next_id_;
     return id;
+  }
+
+  /// Starts a sequence whose first tokens are `prompt` (CacheConfig::prefix_sharing must be set).
+  /// When the cache holds the K/V of a prefix of it under the same model, salt, codec parameters
+  /// and cache options, the sequence starts with those pages (shared, not copied) in every layer:
+  /// `cached_tokens` tokens at positions 0 … cached_tokens − 1, a multiple of page_size; prefill
+  /// then continues from position cached_tokens with the rest of the prompt. At least
+  /// max(1, tail_tokens) tokens are left to prefill: the engine needs the last token's logits,
+  /// and the full-precision tail then fills exactly as a prefill of the whole prompt would
+  /// (attention is bit-identical to one). The caller promises that the K/V it writes at
+  /// positions 0 … n − 1 are those of prompt[0 … n − 1]: the cache cannot check it.
+  /// The prompt is kept with the sequence; its whole pages are cached at release (and by
+  /// share_prefix). A lookup counts in prefix_stats() even when a later allocation throws.
+  /// \param salt sequences added with different salts never share pages (tenants, privacy)
+  /// \throws kvpack::Error(kUnsupported) without CacheConfig::prefix_sharing
+  [[nodiscard]] PrefixHit add_sequence(std::span<const paging::TokenId> prompt, std::string_view salt = {}) {
+    KVPACK_CHECK(prefix_index_ != nullptr, kUnsupported,
+                 "add_sequence(tokens) shares prompt prefixes: set CacheConfig.prefix_sharing (or call "
+                 "add_sequence())");
+    const std::size_t page = static_cast<std::size_t>(config_.page_size);
+    const std::size_t left = std::max<std::size_t>(1, static_cast<std::size_t>(config_.tail_tokens));
+    const std::size_t lookup = prompt.size() > left ? prompt.size() - left : 0;
+    auto sequence = std::make_unique<Sequence>(cache_layers_);
+    sequence->prompt.assign(prompt.begin(), prompt.end());
+    sequence->salt = salt;
+    paging::PrefixMatch hit = prefix_index_->match(prefix_key(sequence->salt), prompt.first(lookup));
+    const auto cached = static_cast<index_t>(hit.pages * page);
+    if (hit.pages > 0) {
+      for (index_t layer = 0; layer < cache_layers_; ++layer) {
+        // The state a prefill of `cached` tokens leaves when tail_tokens is 0: whole pages and
+        // an empty tail, whose buffers are allocated as write_tokens' first write would (the
+        // next prefill then takes the path of a layer written before).
+        LayerState& state = sequence->layers[layer];
+        state.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
+        state.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
+        state.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+        state.tables.resize(static_cast<std::size_t>(streams_));
+        for (index_t s = 0; s < streams_; ++s) {
+          state.tables[s].reserve(hit.pages);
+          for (std::size_t p = 0; p < hit.pages; ++p) {
+            state.tables[s].push_back(hit.page(p)[static_cast<std::size_t>(layer) * streams_ + s]);
+          }
+        }
+        state.tokens = cached;
+        state.last_position = cached - 1;
+      }
+    }
+    sequence->lease = std::move(hit.lease);
+    const Sequence& added = *sequence;
+    SeqId id = 0;
+    {
+      std::unique_lock lock(sequences_mutex_);
+      id = next_id_;
+      sequences_.emplace(id, std::move(sequence));  // may throw bad_alloc: no id used up
+      ++next_id_;
+    }
+    // The lease keeps the index's reference until here; now the sequence holds its own.
+    for (const LayerState& state : added.layers) {
+      for (const auto& table : state.tables) {
+        for (PageId id_of_page : table) pool_.retain(id_of_page);
+      }
+    }
+    account(added, +1);
+    return {id, cached};
+  }
+
+  /// Caches the whole pages of a sequence's prompt (given to add_sequence(tokens)) that every
+  /// layer holds, so that sequences added from now on can reuse them; release does the same.
+  /// Call it after prefilling a prompt that concurrent requests share (a system prompt). Pages
+  /// cover tokens from position 0 without gaps; a partial page, tokens beyond the prompt and
+  /// pages written at other positions (append with gaps) are not cached. Returns the prompt
+  /// tokens now cached (a multiple of page_size).
+  /// \throws kvpack::Error(kUnsupported) without prefix sharing, (kInvalidArgument) for a
+  ///         sequence added without tokens
+  index_t share_prefix(SeqId seq) {
+    Sequence& sequence = find(seq, "share_prefix");
+    KVPACK_CHECK(prefix_index_ != nullptr, kUnsupported,
+                 "share_prefix: prefix sharing is off (CacheConfig.prefix_sharing)");
+    KVPACK_CHECK(!sequence.prompt.empty(), kInvalidArgument,
+                 detail::message("share_prefix: sequence ", seq, " was added without tokens (add_sequence(tokens))"));
+    return insert_prefix(sequence);
+  }
+
+  /// The prefix index's counters and sizes (all zero without prefix sharing). Its cached pages
+  /// are also in memory().pages_in_use: they stay allocated after their sequences are released,
+  /// until a write finds the pool full or evict_prefix_cache drops them.
+  [[nodiscard]] paging::PrefixIndexStats prefix_stats() const {
+    return prefix_index_ ? prefix_index_->stats() : paging::PrefixIndexStats{};
+  }
+
+  /// Drops cached prefix pages no live sequence is using, least recently used first, until
+  /// `pool_pages` pages went back to the pool (all of them by default). Writes do this on their
+  /// own when the pool runs out.
+  paging::PrefixEviction evict_prefix_cache(std::size_t pool_pages = paging::PrefixIndex::kAllPages) {
+    return prefix_index_ ? prefix_index_->evict_unreferenced(pool_pages) : paging::PrefixEviction{};
   }
 
   /// Appends the prompt's keys and values for one layer, at positions following the layer's last
@@ -463,6 +586,13 @@ class KVCache {
       sequences_.erase(it);
     }
     account(*sequence, -1);
+    if (prefix_index_ != nullptr && !sequence->prompt.empty()) {
+      // Best effort: release cannot fail, so a prompt the index has no memory for is not cached.
+      try {
+        insert_prefix(*sequence);
+      } catch (const std::exception&) {
+      }
+    }
     release_pages(*sequence);
   }
 
@@ -585,8 +715,15 @@ class KVCache {
   };
   struct Sequence {
     explicit Sequence(index_t layers) : layers(static_cast<std::size_t>(layers)) {}
+    /// A fork: the same pages (the caller retains them), and another lease on the prefix path.
+    Sequence(const Sequence& other)
+        : layers(other.layers), pins(other.pins), prompt(other.prompt), salt(other.salt), lease(other.lease.share()) {}
+    Sequence& operator=(const Sequence&) = delete;
     std::vector<LayerState> layers;
     std::vector<std::pair<std::int64_t, std::int64_t>> pins;  ///< pinned [first, last] positions
+    std::vector<paging::TokenId> prompt;  ///< add_sequence(tokens)'s prompt; empty otherwise
+    std::string salt;                     ///< and its salt
+    paging::PrefixLease lease;            ///< pins the cached path this sequence matched or inserted
     [[nodiscard]] bool pinned(std::int64_t position) const noexcept {
       return std::any_of(pins.begin(), pins.end(), [&](const auto& pin) {
         return position >= pin.first && position <= pin.second;
@@ -875,7 +1012,7 @@ class KVCache {
       }
     }
     std::vector<PageId> fresh(static_cast<std::size_t>(fresh_count));
-    pool_.allocate(fresh);
+    allocate_pages(fresh);
     std::vector<float> new_tail_keys;
     std::vector<float> new_tail_values;
     std::vector<std::int32_t> new_tail_positions;
@@ -1659,6 +1796,105 @@ class KVCache {
     }
   }
 
+  // ---- Prefix sharing (CacheConfig::prefix_sharing) ----
+
+  /// Takes pages for a write; with prefix sharing, cached pages no sequence uses go back to the
+  /// pool first when it has too few. When even that is not enough OutOfPages is thrown as
+  /// before: the sequences are unchanged, but the evicted prefixes stay evicted.
+  void allocate_pages(std::span<PageId> out) {
+    if (prefix_index_ != nullptr && !out.empty()) {
+      const std::size_t available = pool_.pages_available();
+      if (out.size() > available) prefix_index_->evict_unreferenced(out.size() - available);
+    }
+    pool_.allocate(out);
+  }
+
+  /// The PrefixKey of this cache now. The codec parameters are fingerprinted at every call: FP8
+  /// calibrated from the first prefill fixes a layer's scales with its first page, and a lookup
+  /// must only meet pages encoded with the parameters in force.
+  [[nodiscard]] paging::PrefixKey prefix_key(const std::string& salt) {
+    paging::PrefixKey key;
+    key.model_id = config_.prefix_sharing->model_id;
+    key.layout = std::string(Layout::kName);
+    key.shape = shape_;
+    key.page_size = config_.page_size;
+    key.codec = Quantizer::name();
+    key.codec_params = codec_params_fingerprint();
+    key.cache_options = prefix_options_;
+    key.salt = salt;
+    return key;
+  }
+
+  /// Every (layer, stream)'s key and value parameters, by their object bytes: FP8 scales;
+  /// KVQuant's table pointers and outlier fraction; TurboQuant's table store, layer and seed.
+  /// Pointers name tables inside this cache's quantizer, which is what a key needs (the index
+  /// belongs to this cache). Padding bytes could make equal parameters differ, which would only
+  /// lose a hit, never share a wrong page.
+  [[nodiscard]] std::uint64_t codec_params_fingerprint() {
+    static_assert(std::is_trivially_copyable_v<KeyParams> && std::is_trivially_copyable_v<ValueParams>,
+                  "prefix sharing fingerprints codec parameters by their bytes");
+    paging::Fingerprint f;
+    std::lock_guard lock(calibration_mutex_);  // commit_calibration writes them under it
+    for (std::size_t p = 0; p < key_params_.size(); ++p) {
+      if constexpr (!std::is_empty_v<KeyParams>) f.add_bytes(std::as_bytes(std::span(&key_params_[p], 1)));
+      if constexpr (!std::is_empty_v<ValueParams>) f.add_bytes(std::as_bytes(std::span(&value_params_[p], 1)));
+    }
+    return f.value();
+  }
+
+  /// The cache options that change page bytes or which stream a page belongs to: pre-RoPE keys
+  /// and their RoPE, the exact prefix (0: checked), the selector's summaries in page metadata,
+  /// the layout's cache layers (CrossLayer's K).
+  [[nodiscard]] std::uint64_t prefix_options_fingerprint() const noexcept {
+    paging::Fingerprint f;
+    f.add(config_.key_rope.has_value());
+    if (config_.key_rope) {
+      f.add(config_.key_rope->theta).add(config_.key_rope->pairing).add(config_.key_rope->max_position);
+    }
+    f.add(config_.exact_prefix_tokens).add(kSummarizes).add(selector_.summary_bytes(config_.page_size, key_dim_));
+    f.add(cache_layers_).add(streams_);
+    return f.value();
+  }
+
+  /// Whole pages of `sequence`'s prompt that every layer holds at positions 0, 1, …: what may be
+  /// cached. Positions grow strictly from 0, so a page's last slot at position (p + 1)·page − 1
+  /// means every earlier slot is at its index; every stream of a layer has the same positions.
+  [[nodiscard]] std::size_t shareable_pages(const Sequence& sequence) const noexcept {
+    const std::size_t page = static_cast<std::size_t>(config_.page_size);
+    std::size_t pages = sequence.prompt.size() / page;
+    for (const LayerState& state : sequence.layers) {
+      if (state.tables.empty()) return 0;
+      pages = std::min(pages, state.tables[0].size());
+      std::size_t ok = 0;
+      for (; ok < pages; ++ok) {
+        std::int32_t last = 0;
+        std::memcpy(&last, pool_.metadata(state.tables[0][ok]) + (page - 1) * sizeof(std::int32_t), sizeof(last));
+        if (static_cast<std::size_t>(last) != (ok + 1) * page - 1) break;
+      }
+      pages = ok;
+    }
+    return pages;
+  }
+
+  /// Caches `sequence`'s shareable pages; the sequence's lease moves to the longer path.
+  index_t insert_prefix(Sequence& sequence) {
+    const std::size_t pages = shareable_pages(sequence);
+    if (pages == 0) return 0;
+    const std::size_t streams = static_cast<std::size_t>(cache_layers_) * streams_;
+    std::vector<PageId> ids(pages * streams);
+    for (index_t layer = 0; layer < cache_layers_; ++layer) {
+      for (index_t s = 0; s < streams_; ++s) {
+        const std::vector<PageId>& table = sequence.layers[layer].tables[s];
+        for (std::size_t p = 0; p < pages; ++p) ids[p * streams + static_cast<std::size_t>(layer) * streams_ + s] = table[p];
+      }
+    }
+    const std::size_t tokens = pages * static_cast<std::size_t>(config_.page_size);
+    paging::PrefixLease lease =
+        prefix_index_->insert(prefix_key(sequence.salt), std::span<const paging::TokenId>(sequence.prompt).first(tokens), ids);
+    if (lease.pages() >= sequence.lease.pages()) sequence.lease = std::move(lease);
+    return static_cast<index_t>(tokens);
+  }
+
   void release_pages(const Sequence& sequence) noexcept {
     for (const LayerState& state : sequence.layers) {
       for (const auto& table : state.tables) {
@@ -1679,6 +1915,10 @@ class KVCache {
   index_t cache_layers_;  // layers that keep a cache (fewer than shape_.layers when shared)
   mutable paging::PagePool pool_;
   std::shared_ptr<const RopeTables> rope_tables_;  ///< null unless config_.key_rope
+  /// Null unless config_.prefix_sharing. After pool_ (it releases its pages into it when
+  /// destroyed) and before sequences_ (their leases must go first).
+  std::unique_ptr<paging::PrefixIndex> prefix_index_;
+  std::uint64_t prefix_options_ = 0;  ///< the PrefixKey's cache_options, fixed at construction
 
   std::vector<KeyParams> key_params_;      ///< [layers][streams]
   std::vector<ValueParams> value_params_;  ///< [layers][streams]

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kvpack/core/rope.hpp"
@@ -18,6 +19,15 @@ namespace kvpack::inline v0 {
 /// A parallel-for: runs task(i) for every i in [0, count), possibly concurrently, and returns
 /// when all are done. `attend` hands it one task per KV stream. See kvpack::ThreadPool.
 using Executor = std::function<void(index_t count, const std::function<void(index_t)>& task)>;
+
+/// Prefix sharing's options (CacheConfig::prefix_sharing). The rest of a paging::PrefixKey
+/// comes from the cache (layout, shape, page size, codec and a fingerprint of its parameters,
+/// the cache options that change page bytes) and from add_sequence (the salt, per request).
+struct PrefixSharing {
+  /// The model's weights and tokenizer: the same token ids mean other K/V under other weights.
+  /// Required.
+  std::string model_id;
+};
 
 /// How a cache stores its pages and how strictly it checks its inputs.
 struct CacheConfig {
@@ -45,6 +55,11 @@ struct CacheConfig {
   /// statistics stay stable: KVQuant), and rotated to each slot's stored position whenever they
   /// are read; queries are still passed after RoPE. Unset: keys are stored as given.
   std::optional<RopeSpec> key_rope{};
+  /// Set: `add_sequence(tokens)` reuses the pages of a cached prompt prefix and sequences'
+  /// whole prompt pages are cached for later ones (README "Prefix sharing"). Unset: no index is
+  /// built and nothing else changes. Needs exact_prefix_tokens == 0 and an evictor that keeps
+  /// every token (else kUnsupported when the cache is built).
+  std::optional<PrefixSharing> prefix_sharing{};
 
   void validate() const {
     KVPACK_CHECK(page_size >= 16 && page_size <= 256 && page_size % 16 == 0, kInvalidConfig,
@@ -56,6 +71,8 @@ struct CacheConfig {
     KVPACK_CHECK(max_pages > 0, kInvalidConfig, "CacheConfig.max_pages must be at least 1");
     KVPACK_CHECK(exact_prefix_tokens >= 0 && exact_prefix_tokens <= 4096, kInvalidConfig,
                  detail::message("CacheConfig.exact_prefix_tokens must be in [0, 4096], got ", exact_prefix_tokens));
+    KVPACK_CHECK(!prefix_sharing || !prefix_sharing->model_id.empty(), kInvalidConfig,
+                 "CacheConfig.prefix_sharing.model_id must name the model (pages of other weights must never match)");
   }
 };
 
