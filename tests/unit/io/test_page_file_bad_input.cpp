@@ -245,6 +245,22 @@ TEST_CASE("codec parameters, token ids and slots are checked", "[io][page_file]"
   }
 }
 
+TEST_CASE("pre-RoPE keys' positions stay within the RoPE tables", "[io][page_file]") {
+  CacheConfig config;
+  config.page_size = 16;
+  config.key_rope = RopeSpec{10000.0, RopePairing::kAdjacent, 100};
+  KVCache<layout::GQA, quant::Float<half>> cache(ModelShape{1, 1, 1, 16}, config);
+  const std::vector<std::byte> file = io::write_page_file(cache, test::fill_sequence(cache));
+  const auto with_position = [&](std::int32_t position) {
+    return test::with_section(file, 3, [&](std::vector<std::byte> body) {
+      std::memcpy(body.data() + 5 * 4, &position, 4);  // page 0, slot 5
+      return body;
+    });
+  };
+  CHECK(io::PageFileView::parse(with_position(100)).position(0, 0, 0, 5) == 100);
+  check_rejected(with_position(101), ErrorCode::kInvalidArgument, "page 0 slot 5 has position 101, outside [0, 100]");
+}
+
 TEST_CASE("views of a parsed file are bounds-checked", "[io][page_file]") {
   const std::vector<std::byte> file = small_file();
   const io::PageFileView view = io::PageFileView::parse(file);
