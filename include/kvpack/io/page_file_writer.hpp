@@ -112,6 +112,10 @@ template <class Cache>
     const auto writer_of = [&](index_t c) { return layout::writer_of(layout, h.shape, c); };
 
     ContainerWriter file;
+    const std::uint64_t pages = h.total_pages();
+    file.reserve(kPreambleBytes + kSectionOrder.size() * (kSectionHeaderBytes + kPageFileAlignment) + 1024 +
+                 h.page_counts.size() * (4 + 2 * sizeof(float)) + options.tokens.size_bytes() +
+                 pages * (h.slot_bytes + h.payload_bytes));
     file.begin_section(SectionTag::kMeta);
     {
       ByteSink out(file.body());
