@@ -3,14 +3,18 @@
 // 128), q8_0 pages of 32 tokens: 4096 pages of 8704 bytes, 34 MiB of file.
 // BM_Write: write_page_file to a byte vector (copies every payload and checksums it).
 // BM_Parse: PageFileView::parse of those bytes (checks every section's CRC32C, every live slot;
-//   copies no payload). BM_Crc32c/0 and /1: the CRC alone, with the SSE4.2 instruction
+//   copies no payload). BM_OpenMapped: PageFile on the file written to /tmp (in the page cache):
+//   mmap, then the same checks, page faults included (bytes: the page payloads).
+//   BM_Crc32c/0 and /1: the CRC alone, with the SSE4.2 instruction
 //   and with the software tables.
 
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvpack/io/page_file.hpp"
@@ -64,6 +68,21 @@ void BM_Parse(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(file.size() * state.iterations()));
 }
 BENCHMARK(BM_Parse)->Unit(benchmark::kMillisecond);
+
+void BM_OpenMapped(benchmark::State& state) {
+  Fixture& f = fixture();
+  const std::string path = "/tmp/kvpack_bench_page_file.kvpages";
+  io::write_page_file(path, f.cache, f.seq);
+  std::size_t bytes = 0;
+  for (auto _ : state) {
+    const io::PageFile file(path);
+    bytes = file.view().total_pages() * file.header().payload_bytes;
+    benchmark::DoNotOptimize(file.view().payload(0, 0, 0).data());
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes * state.iterations()));
+  std::remove(path.c_str());
+}
+BENCHMARK(BM_OpenMapped)->Unit(benchmark::kMillisecond);
 
 void BM_Crc32c(benchmark::State& state) {
   const auto impl = state.range(0) == 0 ? io::Crc32cImpl::kAuto : io::Crc32cImpl::kSoftware;
