@@ -59,6 +59,13 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
   h.value_codec = std::string(ValueCodec::kName);
   h.key_group = codec_group<KeyCodec>();
   h.value_group = codec_group<ValueCodec>();
+  // A codec whose parameters serialise but that the registry lacks would make files this build
+  // cannot read back: refuse to write them.
+  KVPACK_CHECK(find_codec(h.key_codec, Plane::kKey, h.key_group) != nullptr &&
+                   find_codec(h.value_codec, Plane::kValue, h.value_group) != nullptr,
+               kUnsupported,
+               detail::message("write_page_file: codecs ", h.key_codec, "/", h.value_codec,
+                               " are not in io/codec_registry.hpp"));
   const quant::PageGeometry geometry{h.page_size, h.key_dim};
   h.key_plane_bytes = KeyCodec{}.plane_bytes(geometry);
   h.value_plane_offset = cache.value_plane_offset();

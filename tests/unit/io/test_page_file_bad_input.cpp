@@ -198,6 +198,19 @@ TEST_CASE("a header that does not describe its pages is rejected", "[io][page_fi
   }
 }
 
+TEST_CASE("a geometry the codec cannot store is rejected with the codec's own error", "[io][page_file]") {
+  CacheConfig config;
+  config.page_size = 16;
+  KVCache<layout::GQA, quant::Q8_0> cache(ModelShape{1, 2, 1, 32}, config);
+  const std::vector<std::byte> file = io::write_page_file(cache, test::fill_sequence(cache));
+  const std::vector<std::byte> bad = test::with_header(file, [](io::PageFileHeader& h) {
+    h.shape.head_dim = h.key_dim = h.value_dim = 48;  // q8_0 blocks are 32 channels
+  });
+  const Error e = parse_error(bad);
+  CHECK(e.code() == ErrorCode::kUnsupported);
+  CHECK_THAT(e.what(), Catch::Contains("48"));
+}
+
 TEST_CASE("codec parameters, token ids and slots are checked", "[io][page_file]") {
   const std::vector<std::byte> file = small_file();
   const auto edit_section = [&](std::size_t index, std::size_t at, const auto& value) {
@@ -217,7 +230,7 @@ TEST_CASE("codec parameters, token ids and slots are checked", "[io][page_file]"
   SECTION("parameters of another kind or size") {
     check_rejected(edit_section(kParams, 0, std::uint32_t{0}), ErrorCode::kInvalidArgument, "PARM declares");
     check_rejected(edit_section(kParams, 12, std::uint32_t{1u << 30}), ErrorCode::kInvalidArgument, "PARM declares");
-    check_rejected(test::with_section(file, kParams, [](std::vector<std::byte> b) { b.resize(b.size() - 4); return b; }),
+    check_rejected(test::with_section(file, kParams, [](std::vector<std::byte> b) { b.erase(b.end() - 4, b.end()); return b; }),
                    ErrorCode::kInvalidArgument, "PARM holds");
   }
   SECTION("token counts") {
