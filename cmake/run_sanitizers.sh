@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The sanitizer half of the README test command, run after the normal build's ctest:
 #   1. build-asan/: clang, -O1 -g, AddressSanitizer (leaks included) + UBSan (no recovery: the
-#      first report fails the run); the unit test modules core, paging, quant, kernels and cache,
+#      first report fails the run); the unit test modules core, paging, quant, kernels, cache and io,
 #      each run in full, kernels beside the others (logs in build-asan/test-<module>.log).
 #      Then the libFuzzer targets of tests/fuzz/, each from its seed corpus tests/fuzz/corpus/<name>
-#      (new inputs go to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), two
-#      at a time to use both cores: fuzz_cache_ops (random operation sequences against the
-#      reference model) for KVPACK_FUZZ_SECONDS (default 60) then fuzz_eviction_ops (the same on
-#      evicting caches) and fuzz_prefix_ops (prefix sharing against a twin without it) for a third
-#      of it each, and beside them, one after another,
-#      fuzz_kv_dump (the K/V dump loader) for 10^6 runs, fuzz_config (configs and shapes) and
-#      fuzz_codec_spans (K/V bit patterns through every codec) for KVPACK_FUZZ_SECONDS / 3 each:
-#      KVPACK_FUZZ_RUNS overrides the dump loader's runs. Each
-#      target's log is in build-asan/fuzz-<name>.log; its final counts are printed.
+#      (new inputs go to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), in
+#      two chains to use both cores: fuzz_cache_ops (random operation sequences against the
+#      reference model) for KVPACK_FUZZ_SECONDS (default 60), then fuzz_eviction_ops (the same on
+#      evicting caches) and fuzz_prefix_ops (prefix sharing against a twin without it); beside
+#      them fuzz_kv_dump (the K/V dump loader) for 10^6 runs (KVPACK_FUZZ_RUNS), then fuzz_config
+#      (configs and shapes), fuzz_codec_spans (K/V bit patterns through every codec) and
+#      fuzz_page_file (any bytes through the page-file reader). The targets after the first of
+#      each chain run for KVPACK_FUZZ_SECONDS / 4 each. Each target's log is in
+#      build-asan/fuzz-<name>.log; its final counts are printed.
 #   2. build-tsan/: clang, -O1 -g, ThreadSanitizer; the "[threads]" tests (the concurrency stress
 #      test, the executor, the pool, the prefix index and prefix sharing in the cache), built alone
 #      as kvpack_test_threads.
@@ -44,9 +44,9 @@ run() {
 }
 
 if [[ "$which_builds" != tsan ]]; then
-  modules=(core paging quant kernels cache)
+  modules=(core paging quant kernels cache io)
   cmake -S . -B build-asan "${common[@]}" -DKVPACK_SANITIZE=address,undefined -DKVPACK_BUILD_FUZZERS=ON
-  fuzzers=(cache_ops eviction_ops prefix_ops kv_dump config codec_spans)
+  fuzzers=(cache_ops eviction_ops prefix_ops kv_dump config codec_spans page_file)
   cmake --build build-asan -j"$jobs" --target "${modules[@]/#/kvpack_test_}" "${fuzzers[@]/#/kvpack_fuzz_}"
   export ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
@@ -62,7 +62,7 @@ if [[ "$which_builds" != tsan ]]; then
   run_chain kernels &
   kernels_pid=$!
   status=0
-  run_chain core paging quant cache || status=$?
+  run_chain core paging quant cache io || status=$?
   wait "$kernels_pid" || status=$?
   ((status == 0)) || exit "$status"
   # Runs fuzz target $1 with libFuzzer's limits $2...; its output goes to build-asan/fuzz-$1.log,
@@ -83,17 +83,18 @@ if [[ "$which_builds" != tsan ]]; then
     echo "run_sanitizers: fuzz_$name passed in $((SECONDS - start)) s"
   }
   seconds="${KVPACK_FUZZ_SECONDS:-60}"
-  { fuzz cache_ops -max_total_time="$seconds" && fuzz eviction_ops -max_total_time=$((seconds / 3)) &&
-      fuzz prefix_ops -max_total_time=$((seconds / 3)); } &
-  cache_ops_pid=$!
+  { fuzz cache_ops -max_total_time="$seconds" && fuzz eviction_ops -max_total_time=$((seconds / 4)) &&
+      fuzz prefix_ops -max_total_time=$((seconds / 4)); } &
+  operations_pid=$!
   # A failure stops a chain but still waits for the other, so that no fuzzer outlives the script.
   status=0
   # fuzz_kv_dump allocates and frees a file buffer per run: a small quarantine keeps those pages
   # hot (1.7 times the runs per second; use-after-free is still caught within 8 MB of frees).
   ASAN_OPTIONS="$ASAN_OPTIONS:quarantine_size_mb=8" fuzz kv_dump -runs="${KVPACK_FUZZ_RUNS:-1000000}" &&
-    fuzz config -max_total_time=$((seconds / 3)) &&
-    fuzz codec_spans -max_total_time=$((seconds / 3)) || status=$?
-  wait "$cache_ops_pid" || status=$?
+    fuzz config -max_total_time=$((seconds / 4)) &&
+    fuzz codec_spans -max_total_time=$((seconds / 4)) &&
+    fuzz page_file -max_total_time=$((seconds / 4)) || status=$?
+  wait "$operations_pid" || status=$?
   ((status == 0)) || exit "$status"
 fi
 

@@ -1,0 +1,44 @@
+#pragma once
+// A small cache with one sequence held entirely in pages (no tail, a length that is a multiple of
+// page_size), the input page files are written from in the io tests.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvpack/kvpack.hpp"
+#include "support/random_kv.hpp"
+
+namespace kvpack::test {
+
+/// 3 layers (CrossLayer<GQA, 2> then keeps 2, the second alone in its group), 4 query heads over
+/// 2 KV heads, head_dim 64 (q8_0, q4_0 and KIVI's groups all divide it).
+inline constexpr ModelShape kPageFileShape{3, 4, 2, 64};
+/// Tokens a test sequence holds: 3 whole pages.
+inline index_t page_file_tokens(const CacheConfig& config) { return 3 * config.page_size; }
+
+/// Fills every writing layer of a new sequence with 3 pages of random tokens (outlier key channels, so
+/// calibrated FP8 scales differ between layers and heads) and returns it.
+template <class Cache>
+SeqId fill_sequence(Cache& cache, std::uint32_t seed = 7) {
+  const SeqId seq = cache.add_sequence();
+  const ModelShape& shape = cache.shape();
+  const typename Cache::layout_type layout{};
+  for (index_t c = 0; c < layout::cache_layers(layout, shape); ++c) {
+    const index_t writer = layout::writer_of(layout, shape, c);
+    const std::size_t rows = static_cast<std::size_t>(page_file_tokens(cache.config())) * shape.kv_heads;
+    const std::vector<float> keys = random_rows(rows, shape.head_dim, seed + 2 * writer, 4, 8.0f + writer);
+    const std::vector<float> values = random_rows(rows, shape.head_dim, seed + 2 * writer + 1);
+    cache.prefill(seq, writer, std::span<const float>(keys), std::span<const float>(values));
+  }
+  return seq;
+}
+
+/// The token ids a test hands the writer.
+inline std::vector<std::int32_t> token_ids(index_t count) {
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(1000 + 37 * i);
+  return tokens;
+}
+
+}  // namespace kvpack::test

@@ -1,0 +1,194 @@
+// Page files round trip every covered codec × layout: the pages read back are the pool's bytes,
+// slot for slot, the codec parameters are the cache's, and decoding the pages with the codec gives
+// exactly what read_back gives. A mapped file reads the same as the buffer, without copies.
+
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "kvpack/io/page_file.hpp"
+#include "kvpack/kvpack.hpp"
+#include "unit/io/page_file_fixture.hpp"
+#include "unit/io/thrown_error.hpp"
+
+namespace {
+
+using namespace kvpack;
+using CrossLayer2 = layout::CrossLayer<layout::GQA, 2>;
+
+/// Every page of the file against the cache it was written from.
+template <class Cache>
+void check_round_trip(const Cache& cache, SeqId seq, const io::PageFileView& file) {
+  using Q = typename Cache::quantizer_type;
+  const io::PageFileHeader& h = file.header();
+  const typename Cache::layout_type layout{};
+  const ModelShape& shape = cache.shape();
+  REQUIRE(h.cache_layers == layout::cache_layers(layout, shape));
+  REQUIRE(h.streams == shape.kv_heads);
+  CHECK(h.shape.layers == shape.layers);
+  CHECK(h.shape.q_heads == shape.q_heads);
+  CHECK(h.shape.head_dim == shape.head_dim);
+  CHECK(h.page_size == cache.config().page_size);
+  CHECK(h.layout == Cache::layout_type::kName);
+  CHECK(h.quantizer == Q::name());
+  CHECK(h.payload_bytes == cache.page_format_info().payload_bytes);
+  const index_t tokens = test::page_file_tokens(cache.config());
+  CHECK(h.sequence_tokens == static_cast<std::uint64_t>(tokens));
+  io::check_quantizer<Q>(h);
+
+  const index_t d = shape.head_dim, page_size = h.page_size;
+  std::vector<float> keys(static_cast<std::size_t>(page_size) * d), values(keys.size());
+  for (index_t c = 0; c < h.cache_layers; ++c) {
+    const index_t writer = layout::writer_of(layout, shape, c);
+    for (index_t s = 0; s < h.streams; ++s) {
+      INFO("cache layer " << c << ", stream " << s);
+      const std::span<const PageId> ids = cache.pages(seq, writer, s);
+      REQUIRE(file.page_count(c, s) == ids.size());
+      REQUIRE(ids.size() * page_size == static_cast<std::size_t>(tokens));
+      CHECK(io::read_codec_params<Q>(file, c, s) == cache.codec_params(writer, s));
+
+      const StoredTokens stored = cache.read_back(seq, writer, s);
+      REQUIRE(stored.size() == tokens);
+      for (std::uint32_t p = 0; p < ids.size(); ++p) {
+        const std::span<const std::byte> payload = file.payload(c, s, p);
+        REQUIRE(payload.size() == h.payload_bytes);
+        CHECK(std::memcmp(payload.data(), cache.pool().payload(ids[p]), payload.size()) == 0);
+        io::decode_page<Q>(file, c, s, p, keys.data(), values.data());
+        const std::size_t first = static_cast<std::size_t>(p) * page_size;
+        for (index_t t = 0; t < page_size; ++t) {
+          CHECK(file.live(c, s, p, t));
+          CHECK(file.position(c, s, p, t) == stored.positions[first + t]);
+        }
+        // Bit-identical: read_back runs the same scalar decoders on the same bytes.
+        CHECK(std::memcmp(keys.data(), stored.keys.data() + first * d, keys.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(values.data(), stored.values.data() + first * d, values.size() * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
+template <class Cache>
+void round_trip(CacheConfig config = {}) {
+  Cache cache(test::kPageFileShape, config);
+  const SeqId seq = test::fill_sequence(cache);
+  const std::vector<std::int32_t> tokens = test::token_ids(test::page_file_tokens(config));
+  io::PageFileOptions options;
+  options.model_id = "test-model/3x4x2x64";
+  options.tokens = tokens;
+  const std::vector<std::byte> bytes = io::write_page_file(cache, seq, options);
+  CHECK(bytes.size() % io::kPageFileAlignment == 0);
+  const io::PageFileView file = io::PageFileView::parse(bytes);
+  CHECK(file.header().model_id == options.model_id);
+  CHECK(std::vector<std::int32_t>(file.tokens().begin(), file.tokens().end()) == tokens);
+  check_round_trip(cache, seq, file);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("page files round trip every covered codec on GQA and CrossLayer", "[io][page_file]",
+                   quant::Float<float>, quant::Float<half>, quant::Float<bfloat16>, quant::FP8<quant::E4M3FN>,
+                   quant::FP8<quant::E5M2>, quant::Int8, quant::Q8_0, quant::Q4_0, (quant::Mixed<quant::Q8_0, quant::Q4_0>),
+                   (quant::Mixed<quant::FP8<quant::E4M3FN>, quant::KIVI<2>>), quant::KIVI<2>, quant::KIVI<4>,
+                   (quant::KiviPerTokenKeys<4, 32>)) {
+  SECTION("GQA") { round_trip<KVCache<layout::GQA, TestType>>(); }
+  SECTION("CrossLayer<GQA, 2>") { round_trip<KVCache<CrossLayer2, TestType>>(); }
+}
+
+TEST_CASE("page files record KIVI's group, which its codec names leave out", "[io][page_file]") {
+  CacheConfig config;
+  config.page_size = 64;  // KIVI<2, 64> quantizes keys in groups of 64 tokens
+  round_trip<KVCache<layout::GQA, quant::KIVI<2, 64>>>(config);
+  KVCache<layout::GQA, quant::KIVI<2, 64>> cache(test::kPageFileShape, config);
+  const std::vector<std::byte> bytes = io::write_page_file(cache, test::fill_sequence(cache));
+  const io::PageFileView file = io::PageFileView::parse(bytes);
+  CHECK(file.header().key_group == 64);
+  CHECK(file.header().key_codec == quant::KIVI<2, 32>::key_codec::kName);  // same name as group 32
+  const auto error = test::thrown_error([&] { io::check_quantizer<quant::KIVI<2, 32>>(file.header()); });
+  REQUIRE(error);
+  CHECK(error->code() == ErrorCode::kUnsupported);
+}
+
+TEST_CASE("FP8 page files carry each layer's calibrated scales", "[io][page_file]") {
+  // Guards the round trip above against passing vacuously with equal default scales.
+  KVCache<layout::GQA, quant::FP8<quant::E4M3FN>> cache(test::kPageFileShape);
+  const SeqId seq = test::fill_sequence(cache);
+  const std::vector<std::byte> bytes = io::write_page_file(cache, seq);
+  const io::PageFileView file = io::PageFileView::parse(bytes);
+  const float first = io::read_codec_params<quant::FP8<quant::E4M3FN>>(file, 0, 0).first.scale;
+  const float last = io::read_codec_params<quant::FP8<quant::E4M3FN>>(file, 2, 1).first.scale;
+  CHECK(first != 1.0f);
+  CHECK(first != last);
+}
+
+TEST_CASE("a mapped page file reads as its bytes, with payload views into the mapping", "[io][page_file]") {
+  KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape);
+  const SeqId seq = test::fill_sequence(cache);
+  char path[] = "/tmp/kvpack_page_file_XXXXXX";
+  const int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  close(fd);
+  io::write_page_file(path, cache, seq, {"mapped", {}});
+  {
+    const io::PageFile file(path);
+    const io::PageFileView& view = file.view();
+    CHECK(view.header().model_id == "mapped");
+    CHECK(view.tokens().empty());
+    check_round_trip(cache, seq, view);
+    // Payloads are views: inside the mapping, at the 64-byte alignment the pool gives them.
+    const std::byte* payload = view.payload(1, 1, 2).data();
+    CHECK(reinterpret_cast<std::uintptr_t>(payload) % io::kPageFileAlignment == 0);
+    const std::byte* other = view.payload(1, 1, 1).data();
+    CHECK(payload - other == static_cast<std::ptrdiff_t>(view.header().payload_bytes));
+  }
+  std::remove(path);
+}
+
+TEST_CASE("page files record keys stored before RoPE", "[io][page_file]") {
+  CacheConfig config;
+  config.key_rope = RopeSpec{500000.0, RopePairing::kHalfSplit, 4096};
+  KVCache<layout::GQA, quant::Float<half>> cache(test::kPageFileShape, config);
+  const SeqId seq = test::fill_sequence(cache);
+  const std::vector<std::byte> bytes = io::write_page_file(cache, seq);
+  const io::PageFileView file = io::PageFileView::parse(bytes);
+  CHECK(file.header().keys_before_rope);
+  CHECK(file.header().rope_theta == 500000.0);
+  CHECK(file.header().rope_pairing == static_cast<std::uint32_t>(RopePairing::kHalfSplit));
+  CHECK(file.header().rope_max_position == 4096);
+  const std::span<const PageId> ids = cache.pages(seq, 2, 1);
+  CHECK(std::memcmp(file.payload(2, 1, 0).data(), cache.pool().payload(ids[0]), file.header().payload_bytes) == 0);
+
+  KVCache<layout::GQA, quant::Float<half>> plain(test::kPageFileShape);
+  const std::vector<std::byte> plain_bytes = io::write_page_file(plain, test::fill_sequence(plain));
+  CHECK_FALSE(io::PageFileView::parse(plain_bytes).header().keys_before_rope);
+}
+
+TEST_CASE("the writer rejects what page files cannot carry yet", "[io][page_file]") {
+  SECTION("TurboQuant: parameters point into rotation tables") {
+    KVCache<layout::GQA, quant::TurboQuant<8>> cache(test::kPageFileShape);
+    const SeqId seq = test::fill_sequence(cache);
+    const auto error = test::thrown_error([&] { (void)io::write_page_file(cache, seq); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnsupported);
+    CHECK_THAT(error->what(), Catch::Contains("page files do not carry them yet"));
+  }
+  SECTION("tokens in the full-precision tail") {
+    CacheConfig config;
+    config.tail_tokens = 32;
+    KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape, config);
+    const SeqId seq = test::fill_sequence(cache);
+    const auto error = test::thrown_error([&] { (void)io::write_page_file(cache, seq); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnsupported);
+    CHECK_THAT(error->what(), Catch::Contains("whole pages only"));
+  }
+  SECTION("an unknown sequence") {
+    KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape);
+    const auto error = test::thrown_error([&] { (void)io::write_page_file(cache, SeqId{42}); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnknownSequence);
+  }
+}
