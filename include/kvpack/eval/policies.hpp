@@ -168,7 +168,7 @@ struct Policy {
   index_t budget_tokens = 0;
   /// Evictor policies: the same policy keeping `tokens` per KV stream instead (a model with a
   /// shorter context needs a smaller budget to evict anything); empty for the others.
-  std::function<Policy(index_t tokens)> with_budget;
+  std::function<Policy(index_t tokens)> with_budget{};
 
   [[nodiscard]] std::unique_ptr<AnyCache> make(const ModelShape& shape, CacheConfig config,
                                                const PolicyInputs& inputs = {}) const {
