@@ -252,17 +252,19 @@ std::string model_cell(const Row& r, Field field, const char* format) {
 }
 
 void print_table(const Options& o, index_t tokens, const std::vector<Row>& rows, bool have_model) {
-  fmt::print("{:<11} {:>9} {:>9} {:>11} {:>8} {:>8} {:>9} {:>9} {:>{}} {:>11} {:>9} {:>8} {:>7}\n", "policy", "bits/elem",
+  std::size_t name_width = 11;  // the matrix's names ("streaming-llm+kivi-4") are longer
+  for (const Row& r : rows) name_width = std::max(name_width, r.policy.size());
+  fmt::print("{:<{}} {:>9} {:>9} {:>11} {:>8} {:>8} {:>9} {:>9} {:>{}} {:>11} {:>9} {:>8} {:>7}\n", "policy", name_width, "bits/elem",
              "payload", tokens % 1024 == 0 ? fmt::format("{}K seq", tokens / 1024) : fmt::format("{} tok", tokens),
              "K recon", "V recon", "rel.err", "p99 err", "needle recall", 12 * o.needle_contexts.size(), have_model ? "loss delta" : "",
              have_model ? "name logp" : "", "GB/s", "vs f16");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) {
-      fmt::print("{:<11} n/a: {}\n", r.policy, r.not_applicable);
+      fmt::print("{:<{}} n/a: {}\n", r.policy, name_width, r.not_applicable);
       continue;
     }
-    fmt::print("{:<11} {:>9.3f} {:>9.3f} {:>7.3f} GiB {:>8.2e} {:>8.2e} {:>9.2e} {:>9.2e} {:>{}} {:>11} {:>9} {:>8.2f} {:>6.2f}x\n",
-               r.policy, r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024),
+    fmt::print("{:<{}} {:>9.3f} {:>9.3f} {:>7.3f} GiB {:>8.2e} {:>8.2e} {:>9.2e} {:>9.2e} {:>{}} {:>11} {:>9} {:>8.2f} {:>6.2f}x\n",
+               r.policy, name_width, r.bits_per_element, r.payload_bits, r.sequence_bytes / (1024.0 * 1024 * 1024),
                r.reconstruction.keys, r.reconstruction.values, r.error.mean,
                r.error.p99, needle_cell(o, r), 12 * o.needle_contexts.size(),
                have_model ? model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:+.4f}") : "",
@@ -286,18 +288,18 @@ void print_eviction(const Options& o, index_t tokens, const std::vector<Row>& ro
     if (r.budget_tokens == 0 || !r.not_applicable.empty()) continue;
     std::string budget = fmt::format("{} tokens = {}", r.budget_tokens, share(r.budget_tokens, tokens));
     for (index_t context : o.needle_contexts) budget += ", " + share(r.budget_tokens, context);
-    fmt::print("  {:<13} {}; kept {:.1f} % of the {}-token layer\n", r.policy, budget, 100.0 * r.kept, tokens);
+    fmt::print("  {:<20} {}; kept {:.1f} % of the {}-token layer\n", r.policy, budget, 100.0 * r.kept, tokens);
     if (!o.needle_contexts.empty()) {
       std::string retrieved, pinned;
       for (index_t context : o.needle_contexts) {
         retrieved += (retrieved.empty() ? "" : " ") + r.needle.compact(context, true);
         if (r.pinned_needle && context == o.needle_contexts.front()) pinned = r.pinned_needle->compact(context, true);
       }
-      fmt::print("  {:<13} needle retrieved {}   pinned: {}\n", "", retrieved,
+      fmt::print("  {:<20} needle retrieved {}   pinned: {}\n", "", retrieved,
                  pinned.empty() ? "not run (--pinned)" : pinned);
     }
     if (r.model && r.model->not_applicable.empty() && r.model_budget_tokens > 0 && model_tokens) {
-      fmt::print("  {:<13} stories260K at {} tokens = {} (its context), {} (its longest sequence): kept {:.1f} % of "
+      fmt::print("  {:<20} stories260K at {} tokens = {} (its context), {} (its longest sequence): kept {:.1f} % of "
                  "the text\n",
                  "", r.model_budget_tokens, share(r.model_budget_tokens, model_context),
                  share(r.model_budget_tokens, static_cast<index_t>(*model_tokens)), 100.0 * r.model->kept_fraction);
@@ -325,7 +327,7 @@ void print_detector(const Options& o, const std::vector<Row>& rows) {
   const auto rate = [](double r) { return std::isnan(r) ? std::string("—") : fmt::format("{:.0f} %", 100.0 * r); };
   fmt::print("\nneedle detector (AttendReport for the question, epsilon {:.4f} = tolerance / (1 + tolerance)):\n",
              eval::NeedleSpec{}.detector_epsilon());
-  fmt::print("  {:<18} {:>9} {:>12} {:>7} {:>6} {:>6}  recall / fired per depth, per context\n", "policy", "hit rate",
+  fmt::print("  {:<20} {:>9} {:>12} {:>7} {:>6} {:>6}  recall / fired per depth, per context\n", "policy", "hit rate",
              "false alarm", "misses", "hits", "alarms");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) continue;
@@ -336,10 +338,10 @@ void print_detector(const Options& o, const std::vector<Row>& rows) {
                                 r.needle.compact_fired(context));
     }
     if (!d.ran()) {
-      fmt::print("  {:<18} {:>9} {:>12} {:>7} {:>6} {:>6}  {}\n", r.policy, "n/a", "n/a", "", "", "", depth_rows);
+      fmt::print("  {:<20} {:>9} {:>12} {:>7} {:>6} {:>6}  {}\n", r.policy, "n/a", "n/a", "", "", "", depth_rows);
       continue;
     }
-    fmt::print("  {:<18} {:>9} {:>12} {:>7} {:>6} {:>6}  {}\n", r.policy, rate(d.hit_rate()), rate(d.false_alarm_rate()),
+    fmt::print("  {:<20} {:>9} {:>12} {:>7} {:>6} {:>6}  {}\n", r.policy, rate(d.hit_rate()), rate(d.false_alarm_rate()),
                d.misses, d.hits, d.false_alarms, depth_rows);
   }
   fmt::print("hit rate: heads that failed recall and fired, over those that failed; false alarm: heads that recalled "

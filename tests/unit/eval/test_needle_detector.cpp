@@ -72,7 +72,7 @@ TEST_CASE("StreamingLLM's detector fires on every head whose needle it evicted",
   CHECK(report.detector().hit_rate() == 1.0);
 }
 
-TEST_CASE("SnapKV's and PyramidKV's detectors miss no failure; H2O cannot report", "[eval][needle][detector]") {
+TEST_CASE("SnapKV's and PyramidKV's detectors miss no failure, and H2O cannot report", "[eval][needle][detector]") {
   const Policy policies[] = {find_policy("snapkv"), find_policy("pyramidkv"), find_policy("snapkv+q4_0"),
                              find_policy("h2o")};
   const std::vector<NeedleReport> reports = NeedleSuite(detector_spec()).run(policies);
