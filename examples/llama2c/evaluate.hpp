@@ -119,6 +119,9 @@ struct PolicyResult {
   double name_log_prob_delta = 0.0;
   int name_top1 = 0;    ///< name tokens predicted top-1, over all probes
   int name_tokens = 0;  ///< name tokens, over all probes
+  /// Share of the fixed text's tokens the cache still holds after it, over layers and KV heads
+  /// (1 unless an evictor dropped some).
+  double kept_fraction = 1.0;
 };
 
 inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& benchmark,
@@ -135,6 +138,15 @@ inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& b
   }
   const LogitRows logits = teacher_forced_logits(model, *kv, benchmark.text);
   result.bits_per_element = kv->cache().memory().bits_per_element();
+  const kvpack::ModelShape shape = model.kv_shape();
+  double live = 0.0, held = 0.0;
+  for (kvpack::index_t layer = 0; layer < shape.layers; ++layer) {
+    for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
+      live += kv->cache().live_tokens(kv->sequence(), layer, head);
+      held += kv->cache().length(kv->sequence(), layer);
+    }
+  }
+  result.kept_fraction = held > 0.0 ? live / held : 1.0;
   result.nominal_bits = kv->cache().nominal_bits_per_element();
   result.text = score_text(benchmark.text_logits, logits, benchmark.text);
   result.loss_delta = result.text.loss - benchmark.text_loss;

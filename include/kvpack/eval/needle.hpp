@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <random>
 #include <span>
 #include <string>
@@ -41,6 +42,16 @@ struct NeedleSpec {
   /// Variant (EVAL.md §2): when > 0, the `pinned_span` tokens around the needle are pinned
   /// (AnyCache::pin) before prefill: no evictor may drop it, so it is retrieved at every depth.
   index_t pinned_span = 0;
+
+  /// The unread mass above which the detector (KVCache's AttendReport) is said to fire for the
+  /// question: tolerance / (1 + tolerance), 1/11 at the default 10 %. Why: every value but the
+  /// needle's is orthogonal to w, so reading all tokens but a set of exact mass m gives the
+  /// needle coefficient p/(1 − m) when the needle is read (relative error m/(1 − m)) and 0 when
+  /// it is not (m ≥ needle_mass). Reading less fails recall exactly when m > tolerance /
+  /// (1 + tolerance); the bound is ≥ m, so at this epsilon every such failure must fire. A
+  /// failure below it comes from the codec's error on what was read, which the bound does not
+  /// cover (a miss), and a fire on a recalled head is the bound's looseness (a false alarm).
+  [[nodiscard]] double detector_epsilon() const noexcept { return tolerance / (1.0 + tolerance); }
 
   void validate() const {
     workload.validate();
@@ -75,10 +86,36 @@ struct NeedleCell {
   int retrieved = 0;
   int trials = 0;
   double worst_error = 0.0;  ///< largest relative error of the needle coefficient seen
+  /// The detector, over the trials of a cache that can certify what it did not read
+  /// (AnyCache::certifies_unread; NeedleSpec::detector_epsilon): `fired` heads, of which
+  /// `hits` failed recall and `false_alarms` recalled; `misses` failed recall without firing.
+  int detector_trials = 0;
+  int fired = 0;
+  int hits = 0;
+  int misses = 0;
+  int false_alarms = 0;
   [[nodiscard]] double recall() const noexcept { return trials == 0 ? 0.0 : static_cast<double>(recalled) / trials; }
   [[nodiscard]] double retrieval() const noexcept {
     return trials == 0 ? 0.0 : static_cast<double>(retrieved) / trials;
   }
+  [[nodiscard]] double fired_share() const noexcept {
+    return detector_trials == 0 ? 0.0 : static_cast<double>(fired) / detector_trials;
+  }
+};
+
+/// Hit rate and false-alarm rate of the detector over some cells. A rate over no case is NaN
+/// (no recall failed: nothing to hit; nothing recalled: nothing to false-alarm on).
+struct DetectorRates {
+  int failed = 0;    ///< heads that failed recall, where the detector ran
+  int recalled = 0;  ///< heads that recalled, where the detector ran
+  int hits = 0, misses = 0, false_alarms = 0;
+  [[nodiscard]] double hit_rate() const noexcept {
+    return failed == 0 ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(hits) / failed;
+  }
+  [[nodiscard]] double false_alarm_rate() const noexcept {
+    return recalled == 0 ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(false_alarms) / recalled;
+  }
+  [[nodiscard]] bool ran() const noexcept { return failed + recalled > 0; }
 };
 
 struct NeedleReport {
@@ -94,16 +131,43 @@ struct NeedleReport {
     for (const NeedleCell& c : cells) retrieved += c.retrieved, trials += c.trials;
     return trials == 0 ? 0.0 : static_cast<double>(retrieved) / trials;
   }
+  /// The detector's rates over every cell, or those of one context when `context` > 0.
+  [[nodiscard]] DetectorRates detector(index_t context = 0) const noexcept {
+    DetectorRates rates;
+    for (const NeedleCell& c : cells) {
+      if (context > 0 && c.context != context) continue;
+      rates.hits += c.hits;
+      rates.misses += c.misses;
+      rates.false_alarms += c.false_alarms;
+      rates.failed += c.hits + c.misses;
+      rates.recalled += c.detector_trials - c.hits - c.misses;
+    }
+    return rates;
+  }
   /// One character per depth for `context`: '#' all recalled, '0'–'9' tenths recalled, '.' none
   /// (of the heads that retrieved it, when `retrieved`).
   [[nodiscard]] std::string compact(index_t context, bool retrieved = false) const {
     std::string s;
     for (const NeedleCell& c : cells) {
       if (c.context != context) continue;
-      const double r = retrieved ? c.retrieval() : c.recall();
-      s += r == 1.0 ? '#' : r == 0.0 ? '.' : static_cast<char>('0' + std::min(9, static_cast<int>(r * 10)));
+      s += share_character(retrieved ? c.retrieval() : c.recall());
     }
     return s;
+  }
+  /// The detector's row for `context`, one character per depth as compact(): the share of heads
+  /// for which it fired; '-' at depths where the cache could not certify (no report).
+  [[nodiscard]] std::string compact_fired(index_t context) const {
+    std::string s;
+    for (const NeedleCell& c : cells) {
+      if (c.context != context) continue;
+      s += c.detector_trials == 0 ? '-' : share_character(c.fired_share());
+    }
+    return s;
+  }
+
+ private:
+  static char share_character(double r) noexcept {
+    return r == 1.0 ? '#' : r == 0.0 ? '.' : static_cast<char>('0' + std::min(9, static_cast<int>(r * 10)));
   }
 };
 
@@ -357,7 +421,15 @@ class NeedleSuite {
       cache->append(seq, 0, std::span<const float>(kv.key(t, 0), kv_row), std::span<const float>(kv.value(t, 0), kv_row), t);
       cache->attend(seq, 0, std::span<const float>(trial.decode_queries[step]), std::span<float>(out), scale);
     }
-    cache->attend(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale);
+    // The question, with the detector's report when the cache can certify what it did not read.
+    AttendReport report;
+    report.epsilon = spec_.detector_epsilon();
+    const bool detector = cache->certifies_unread();
+    if (detector) {
+      cache->attend_reported(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale, report);
+    } else {
+      cache->attend(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale);
+    }
 
     for (index_t qh = 0; qh < w.q_heads; ++qh) {
       const index_t head = qh / group;
@@ -367,9 +439,18 @@ class NeedleSuite {
       }
       const double error = std::fabs(c - trial.answer[qh]) / std::fabs(trial.answer[qh]);
       cell.worst_error = std::max(cell.worst_error, std::isnan(error) ? INFINITY : error);
-      cell.recalled += error <= spec_.tolerance ? 1 : 0;
+      const bool recalled = error <= spec_.tolerance;
+      cell.recalled += recalled ? 1 : 0;
       cell.retrieved += c >= (1.0 - spec_.tolerance) * trial.answer[qh] ? 1 : 0;  // answer > 0: p·⟨w, w⟩
       ++cell.trials;
+      if (detector) {
+        const bool fired = report.heads[static_cast<std::size_t>(qh)].fired(report.epsilon);
+        ++cell.detector_trials;
+        cell.fired += fired ? 1 : 0;
+        cell.hits += !recalled && fired ? 1 : 0;
+        cell.misses += !recalled && !fired ? 1 : 0;
+        cell.false_alarms += recalled && fired ? 1 : 0;
+      }
     }
   }
 

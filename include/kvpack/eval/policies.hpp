@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -38,6 +40,15 @@ class AnyCache {
                       std::int64_t position) = 0;
   virtual void attend(SeqId seq, index_t layer, std::span<const float> query, std::span<float> out,
                       float scale) const = 0;
+  /// Whether attend_reported can certify what the cache did not read: every cache that keeps
+  /// all tokens, and evicting ones that keep select::Quest's page summaries.
+  [[nodiscard]] virtual bool certifies_unread() const noexcept { return false; }
+  /// attend with KVCache's AttendReport (its epsilon set by the caller).
+  /// \throws kvpack::Error (kUnsupported) when !certifies_unread()
+  virtual void attend_reported(SeqId /*seq*/, index_t /*layer*/, std::span<const float> /*query*/,
+                               std::span<float> /*out*/, float /*scale*/, AttendReport& /*report*/) const {
+    throw Error(ErrorCode::kUnsupported, "attend_reported: this cache cannot bound what it did not read");
+  }
   [[nodiscard]] virtual SeqId fork(SeqId seq) = 0;
   virtual void release(SeqId seq) = 0;
   /// Positions [first, last] of `seq` that no evictor drops (a no-op for caches that keep all).
@@ -77,6 +88,13 @@ class CacheAdapter final : public AnyCache {
   void attend(SeqId seq, index_t layer, std::span<const float> query, std::span<float> out,
               float scale) const override {
     cache_.attend(seq, layer, query, out, scale);
+  }
+  [[nodiscard]] bool certifies_unread() const noexcept override {
+    return !Cache::evictor_type::kDropsTokens || !Cache::selector_type::kReadsAllPages;
+  }
+  void attend_reported(SeqId seq, index_t layer, std::span<const float> query, std::span<float> out, float scale,
+                       AttendReport& report) const override {
+    cache_.attend(seq, layer, query, out, scale, &report);
   }
   [[nodiscard]] SeqId fork(SeqId seq) override { return cache_.fork(seq); }
   void release(SeqId seq) override { cache_.release(seq); }
@@ -148,6 +166,9 @@ struct Policy {
   /// budget); 0 for policies that keep every token. Reports state it in tokens and as a share
   /// of each context (EVAL.md §3).
   index_t budget_tokens = 0;
+  /// Evictor policies: the same policy keeping `tokens` per KV stream instead (a model with a
+  /// shorter context needs a smaller budget to evict anything); empty for the others.
+  std::function<Policy(index_t tokens)> with_budget{};
 
   [[nodiscard]] std::unique_ptr<AnyCache> make(const ModelShape& shape, CacheConfig config,
                                                const PolicyInputs& inputs = {}) const {
@@ -158,19 +179,19 @@ struct Policy {
 /// A Policy for KVCache<layout::GQA, Quantizer, Evictor, Selector>. `residual_tokens`: the
 /// full-precision window the method is defined with (KIVI's R); the cache's tail is raised to
 /// it (rounded up to whole pages) when the caller's config asks for less. `evictor`: the
-/// instance every cache of the policy is built with (its budget and window).
+/// instance every cache of the policy is built with (its budget and window); `selector` likewise.
 template <class Quantizer, class Evictor = evict::KeepAll, class Selector = select::DenseRead>
 Policy make_policy(std::string name, std::string description, Quantizer quantizer = {}, index_t residual_tokens = 0,
-                   Evictor evictor = {}) {
+                   Evictor evictor = {}, Selector selector = {}) {
   using Cache = KVCache<layout::GQA, Quantizer, Evictor, Selector>;
   Policy policy{std::move(name), std::move(description),
-                [quantizer, residual_tokens, evictor](const ModelShape& shape, CacheConfig config,
-                                                      const PolicyInputs&) -> std::unique_ptr<AnyCache> {
+                [quantizer, residual_tokens, evictor, selector](const ModelShape& shape, CacheConfig config,
+                                                                const PolicyInputs&) -> std::unique_ptr<AnyCache> {
                   if (config.tail_tokens < residual_tokens && config.page_size > 0) {
                     config.tail_tokens = (residual_tokens + config.page_size - 1) / config.page_size * config.page_size;
                   }
                   return std::make_unique<CacheAdapter<Cache>>(shape, std::move(config), quantizer, layout::GQA{},
-                                                               evictor);
+                                                               evictor, selector);
                 }};
   if constexpr (Evictor::kDropsTokens && requires { evictor.budget.tokens; }) {
     policy.budget_tokens = evictor.budget.tokens;
@@ -234,21 +255,115 @@ Policy make_kvquant_policy() {
 /// (25 % of 2K, 12.5 % of 4K), so the failure case shows what eviction drops.
 inline constexpr index_t kEvictionBudgetTokens = 512;
 
-/// Every built-in policy, full precision first. New policies add themselves here.
-/// Instantiating them all costs a translation unit minutes of compile time: a project with many
-/// such units can compile the definition once, in a file that defines
-/// KVPACK_EVAL_DEFINE_BUILTIN_POLICIES before including this header, and define
-/// KVPACK_EVAL_PREBUILT_POLICIES everywhere (kvpack's own build: kvpack_eval_policies).
-#if defined(KVPACK_EVAL_PREBUILT_POLICIES) && !defined(KVPACK_EVAL_DEFINE_BUILTIN_POLICIES)
-std::vector<Policy> builtin_policies();
-#else
+/// The selector evictor policies carry: select::Quest's page summaries, kept so that `attend`
+/// can certify how much attention the evicted tokens may have had (AttendReport), with every
+/// layer dense, so every live page is read and the output is DenseRead's. It costs the
+/// summaries' memory (1 bit per element at page 32, head_dim 128, plus up to 16 ghost boxes per
+/// stream) and summarising each page when it is encoded.
+[[nodiscard]] inline select::Quest summaries_only() {
+  select::Quest quest;
+  quest.dense_layers = std::numeric_limits<index_t>::max();
+  return quest;
+}
+
+/// The evictors and codecs of the eviction matrix (issue 6's failure-case table): every pair is
+/// a policy named "<evictor>+<codec>" ("<evictor>" alone over f16).
+inline constexpr std::string_view kMatrixEvictors[] = {"streaming-llm", "h2o", "snapkv", "pyramidkv"};
+inline constexpr std::string_view kMatrixCodecs[] = {"f16", "q8_0", "q4_0", "kivi-4"};
+
+// The registry's functions instantiate every KVCache type of the built-in policies: minutes of
+// compile time for each translation unit that includes this header. A project with many such
+// units compiles them once, in a file that defines KVPACK_EVAL_DEFINE_BUILTIN_POLICIES before
+// including this header, and defines KVPACK_EVAL_PREBUILT_POLICIES everywhere (kvpack's own
+// build: kvpack_eval_policies); the others see declarations only.
 #if defined(KVPACK_EVAL_PREBUILT_POLICIES)
-std::vector<Policy> builtin_policies() {
+#define KVPACK_EVAL_REGISTRY_INLINE
 #else
-inline std::vector<Policy> builtin_policies() {
+#define KVPACK_EVAL_REGISTRY_INLINE inline
 #endif
-  constexpr index_t budget = kEvictionBudgetTokens;
+
+/// The eviction-matrix policy of `evictor` over `codec` (kMatrixEvictors × kMatrixCodecs),
+/// keeping `budget` tokens per KV stream; evictors other than H2O keep page summaries
+/// (summaries_only), so the needle can ask them what they dropped.
+/// \throws kvpack::Error (kInvalidArgument) for an evictor or codec outside the matrix
+KVPACK_EVAL_REGISTRY_INLINE Policy evictor_policy(std::string_view evictor, std::string_view codec,
+                                                   index_t budget = kEvictionBudgetTokens);
+
+/// Quest (ALGORITHMS.md §10) over fp16 pages, nothing evicted: each step reads the
+/// kEvictionBudgetTokens / page_size pages per KV head whose keys may score highest (and the
+/// tail), at every layer, and can certify what it skipped.
+KVPACK_EVAL_REGISTRY_INLINE Policy quest_policy();
+
+/// Every built-in policy, full precision first. New policies add themselves here.
+KVPACK_EVAL_REGISTRY_INLINE std::vector<Policy> builtin_policies();
+
+/// Every policy of the eviction matrix, evictor-major (16: run on request, not by default).
+inline std::vector<Policy> eviction_matrix_policies(index_t budget = kEvictionBudgetTokens) {
+  std::vector<Policy> policies;
+  for (std::string_view evictor : kMatrixEvictors) {
+    for (std::string_view codec : kMatrixCodecs) policies.push_back(evictor_policy(evictor, codec, budget));
+  }
+  return policies;
+}
+
+#if !defined(KVPACK_EVAL_PREBUILT_POLICIES) || defined(KVPACK_EVAL_DEFINE_BUILTIN_POLICIES)
+/// `evictor` over quantizer Q at `budget` tokens per KV stream. H2O keeps no summaries: it scores
+/// every token at every attend, which KVCache does not allow with a selector that may skip pages
+/// (a compile-time check on the selector's type, even with every layer dense), so it cannot
+/// certify what it dropped.
+template <class Q>
+Policy evictor_policy_over(std::string_view evictor, std::string name, const std::string& codec, index_t residual,
+                    index_t budget) {
   const std::string tokens = std::to_string(budget) + " tokens per KV stream";
+  if (evictor == "streaming-llm") {
+    return make_policy<Q>(std::move(name), "StreamingLLM: 4 sinks + recent, " + tokens + ", " + codec, {}, residual,
+                          evict::StreamingLLM<>{4, evict::Uniform{budget}}, summaries_only());
+  }
+  if (evictor == "h2o") {
+    return make_policy<Q>(std::move(name), "H2O: half recent, half heavy hitters, " + tokens + ", " + codec, {},
+                          residual, evict::H2O<>{evict::Uniform{budget}});
+  }
+  if (evictor == "snapkv") {
+    return make_policy<Q>(std::move(name), "SnapKV: window 32, max-pool 7, " + tokens + ", " + codec, {}, residual,
+                          evict::SnapKV<>{.budget = evict::Uniform{budget}}, summaries_only());
+  }
+  // One layer (the synthetic harnesses) has no slope: there PyramidKV keeps what SnapKV keeps.
+  return make_policy<Q>(std::move(name), "SnapKV with Pyramid<beta 20>: " + tokens + " on average over layers, " + codec,
+                        {}, residual, evict::SnapKV<evict::Pyramid>{.budget = evict::Pyramid{budget, 20}},
+                        summaries_only());
+}
+
+KVPACK_EVAL_REGISTRY_INLINE Policy evictor_policy(std::string_view evictor, std::string_view codec, index_t budget) {
+  KVPACK_CHECK(std::find(std::begin(kMatrixEvictors), std::end(kMatrixEvictors), evictor) != std::end(kMatrixEvictors) &&
+                   std::find(std::begin(kMatrixCodecs), std::end(kMatrixCodecs), codec) != std::end(kMatrixCodecs),
+               kInvalidArgument,
+               detail::message("evictor_policy: no policy for evictor '", evictor, "' over codec '", codec, "'"));
+  std::string name(evictor);
+  if (codec != "f16") name += "+" + std::string(codec);
+  Policy policy;
+  if (codec == "f16") policy = evictor_policy_over<quant::Float<half>>(evictor, name, "Float<half>", 0, budget);
+  if (codec == "q8_0") policy = evictor_policy_over<quant::Q8_0>(evictor, name, "Q8_0", 0, budget);
+  if (codec == "q4_0") policy = evictor_policy_over<quant::Q4_0>(evictor, name, "Q4_0", 0, budget);
+  // KIVI as published keeps its newest 128 tokens in fp32 (inside the budget).
+  if (codec == "kivi-4") policy = evictor_policy_over<quant::KIVI<4>>(evictor, name, "KIVI<4, 32>, residual 128", 128, budget);
+  policy.with_budget = [e = std::string(evictor), c = std::string(codec)](index_t tokens) {
+    return evictor_policy(e, c, tokens);
+  };
+  return policy;
+}
+
+
+KVPACK_EVAL_REGISTRY_INLINE Policy quest_policy() {
+  select::Quest quest;
+  quest.token_budget = kEvictionBudgetTokens;
+  quest.dense_layers = 0;
+  return make_policy<quant::Float<half>>("quest",
+                                         "Quest: reads " + std::to_string(kEvictionBudgetTokens) +
+                                             " tokens per KV head (+ tail), every layer, Float<half>",
+                                         {}, 0, evict::KeepAll{}, quest);
+}
+
+KVPACK_EVAL_REGISTRY_INLINE std::vector<Policy> builtin_policies() {
   return {
       make_policy<quant::Float<float>>("f32", "Float<float>"),
       make_policy<quant::Float<half>>("f16", "Float<half>"),
@@ -273,24 +388,19 @@ inline std::vector<Policy> builtin_policies() {
       make_policy<quant::TurboQuant<6, quant::TurboVariant::kProd>>("turbo-3-prod",
                                                                      "TurboQuant<3 bits>, Prod keys, MSE values"),
       make_policy<quant::QJL<>>("qjl", "QJL keys (m = 2·head_dim sign bits), TurboQuant-3 values"),
+      quest_policy(),
       // Eviction over fp16 pages, one budget for all: what is dropped is gone, whatever the codec.
-      make_policy<quant::Float<half>>("streaming-llm", "StreamingLLM: 4 sinks + recent, " + tokens + ", Float<half>", {},
-                                      0, evict::StreamingLLM<>{4, evict::Uniform{budget}}),
-      make_policy<quant::Float<half>>("h2o", "H2O: half recent, half heavy hitters, " + tokens + ", Float<half>", {}, 0,
-                                      evict::H2O<>{evict::Uniform{budget}}),
-      make_policy<quant::Float<half>>("snapkv", "SnapKV: window 32, max-pool 7, " + tokens + ", Float<half>", {}, 0,
-                                      evict::SnapKV<>{.budget = evict::Uniform{budget}}),
-      // One layer (the synthetic harnesses) has no slope: there PyramidKV keeps what SnapKV keeps.
-      make_policy<quant::Float<half>>("pyramidkv",
-                                      "SnapKV with Pyramid<beta 20>: " + tokens + " on average over layers, Float<half>",
-                                      {}, 0, evict::SnapKV<evict::Pyramid>{.budget = evict::Pyramid{budget, 20}}),
-      make_policy<quant::Q4_0>("snapkv+q4_0", "SnapKV as above over Q4_0 pages, " + tokens, {}, 0,
-                               evict::SnapKV<>{.budget = evict::Uniform{budget}}),
+      evictor_policy("streaming-llm", "f16"),
+      evictor_policy("h2o", "f16"),
+      evictor_policy("snapkv", "f16"),
+      evictor_policy("pyramidkv", "f16"),
+      evictor_policy("snapkv", "q4_0"),
   };
 }
 #endif
+#undef KVPACK_EVAL_REGISTRY_INLINE
 
-/// The built-in policy called `name`.
+/// The built-in or eviction-matrix policy called `name`.
 /// \throws kvpack::Error (kInvalidArgument) naming the known policies when there is none.
 inline Policy find_policy(std::string_view name) {
   std::string known;
@@ -298,7 +408,13 @@ inline Policy find_policy(std::string_view name) {
     if (policy.name == name) return std::move(policy);
     known += (known.empty() ? "" : ", ") + policy.name;
   }
-  throw Error(ErrorCode::kInvalidArgument, detail::message("unknown policy '", name, "'; known: ", known));
+  for (Policy& policy : eviction_matrix_policies()) {
+    if (policy.name == name) return std::move(policy);
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              detail::message("unknown policy '", name, "'; known: ", known,
+                              ", and <evictor>+<codec> for evictors streaming-llm, h2o, snapkv, pyramidkv over "
+                              "q8_0, q4_0, kivi-4"));
 }
 
 }  // namespace kvpack::inline v0::eval

@@ -46,6 +46,11 @@ class ForgetfulCache final : public AnyCache {
   void attend(SeqId seq, index_t layer, std::span<const float> q, std::span<float> out, float scale) const override {
     inner_->attend(seq, layer, q, out, scale);
   }
+  bool certifies_unread() const noexcept override { return inner_->certifies_unread(); }
+  void attend_reported(SeqId seq, index_t layer, std::span<const float> q, std::span<float> out, float scale,
+                       AttendReport& report) const override {
+    inner_->attend_reported(seq, layer, q, out, scale, report);
+  }
   SeqId fork(SeqId seq) override { return inner_->fork(seq); }
   void release(SeqId seq) override { inner_->release(seq); }
   void pin(SeqId seq, std::int64_t first, std::int64_t last) override { inner_->pin(seq, first, last); }
@@ -104,6 +109,12 @@ TEST_CASE("a policy that loses the middle of the context fails the needle there 
   // 0.8 just outside.
   CHECK(report.compact(512) == "###.....###");
   CHECK(report.compact(2048) == "###.....###");
+  // It reads every token it holds, so the detector, which bounds only what was not read, cannot
+  // see the loss: every failure is a miss.
+  const DetectorRates rates = report.detector();
+  CHECK(rates.failed == 2 * 5 * 8);
+  CHECK(rates.misses == rates.failed);
+  CHECK(report.compact_fired(512) == "...........");
 }
 
 TEST_CASE("the needle is ignored by the prompt's queries and dominates the question", "[eval][needle]") {

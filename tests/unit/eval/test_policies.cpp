@@ -163,3 +163,66 @@ TEST_CASE("a pinned span survives an evictor policy", "[eval][policies][evict]")
     CHECK(std::count(stored.positions.begin(), stored.positions.end(), position) == 1);
   }
 }
+
+TEST_CASE("the eviction matrix: every evictor over every codec evicts to its budget and says whether it certifies",
+          "[eval][policies][evict]") {
+  const ModelShape shape{1, 8, 2, 64};
+  const index_t tokens = 200, budget = 64, window = 8;
+  const auto keys = test::random_rows(tokens * 2, 64, 11, 2, 5.0f);
+  const auto values = test::random_rows(tokens * 2, 64, 12);
+  const auto observation = test::random_rows(window * 8, 64, 13);
+  const auto query = test::random_rows(8, 64, 14);
+  std::vector<std::string> names;
+  for (std::string_view evictor : kMatrixEvictors) {
+    for (std::string_view codec : kMatrixCodecs) {
+      const Policy policy = evictor_policy(evictor, codec, budget);
+      INFO(policy.name);
+      names.push_back(policy.name);
+      CHECK(policy.budget_tokens == budget);
+      CHECK(find_policy(policy.name).description == evictor_policy(evictor, codec).description);
+      REQUIRE(policy.with_budget);
+      CHECK(policy.with_budget(32).budget_tokens == 32);
+      const auto cache = policy.make(shape, {});
+      const SeqId seq = cache->add_sequence();
+      cache->prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values),
+                     std::span<const float>(observation));
+      for (index_t stream = 0; stream < 2; ++stream) CHECK(cache->live_tokens(seq, 0, stream) <= budget);
+      // H2O ranks by every attend's scores, which KVCache cannot combine with page summaries.
+      CHECK(cache->certifies_unread() == (evictor != "h2o"));
+      std::vector<float> out(query.size());
+      AttendReport report;
+      if (cache->certifies_unread()) {
+        cache->attend_reported(seq, 0, std::span<const float>(query), std::span<float>(out), 0.125f, report);
+        REQUIRE(report.heads.size() == 8);
+        // Most of the context is gone: a random query gave it mass the bound must admit.
+        CHECK(report.max_mass() > 0.0);
+      } else {
+        CHECK_THROWS_AS(cache->attend_reported(seq, 0, std::span<const float>(query), std::span<float>(out), 0.125f,
+                                               report),
+                        kvpack::Error);
+      }
+    }
+  }
+  std::sort(names.begin(), names.end());
+  CHECK(std::adjacent_find(names.begin(), names.end()) == names.end());
+  CHECK(names.size() == 16);
+  CHECK_THROWS_WITH(evictor_policy("snapkv", "q3_k"), Catch::Contains("no policy for evictor 'snapkv' over codec 'q3_k'"));
+}
+
+TEST_CASE("quest reads its budget's pages per KV head and certifies the rest", "[eval][policies]") {
+  const ModelShape shape{1, 8, 2, 64};
+  const index_t tokens = 2048;  // 64 pages of 32 per KV head; the budget reads 512 / 32 = 16
+  const auto keys = test::random_rows(tokens * 2, 64, 21);
+  const auto values = test::random_rows(tokens * 2, 64, 22);
+  const auto query = test::random_rows(8, 64, 23);
+  const auto cache = quest_policy().make(shape, {});
+  const SeqId seq = cache->add_sequence();
+  cache->prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+  REQUIRE(cache->certifies_unread());
+  std::vector<float> out(query.size());
+  AttendReport report;
+  cache->attend_reported(seq, 0, std::span<const float>(query), std::span<float>(out), 0.125f, report);
+  CHECK(report.pages_total == 2 * 64);
+  CHECK(report.pages_read == 2 * kEvictionBudgetTokens / 32);
+  CHECK(report.max_mass() > 0.0);  // 3/4 of the pages unread
+}
