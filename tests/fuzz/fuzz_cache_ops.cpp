@@ -15,23 +15,19 @@
 #include <vector>
 
 #include "fuzz/fuzz_check.hpp"
+#include "fuzz/fuzz_values.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/reference_cache.hpp"
 
 namespace {
 
 using namespace kvpack;
+using fuzz::values_from;
 using Quantizer = quant::Q8_0;
 const ModelShape kShape{2, 4, 2, 32};
 constexpr index_t kPage = 16;
 constexpr std::size_t kMaxLive = 6;
 
-/// Finite values in [-8, 8) on a 1/16 grid: every codec stores them, the model compares them.
-std::vector<float> values_from(FuzzedDataProvider& in, std::size_t n) {
-  std::vector<float> out(n);
-  for (float& x : out) x = static_cast<float>(in.ConsumeIntegral<std::int8_t>()) / 16.0f;
-  return out;
-}
 
 struct State {
   std::vector<index_t> lengths;

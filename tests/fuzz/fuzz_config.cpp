@@ -23,11 +23,13 @@
 #include <vector>
 
 #include "fuzz/fuzz_check.hpp"
+#include "fuzz/fuzz_values.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace {
 
 using namespace kvpack;
+using fuzz::values_from;
 
 constexpr index_t kIntMin = std::numeric_limits<index_t>::min();
 constexpr index_t kIntMax = std::numeric_limits<index_t>::max();
@@ -52,12 +54,6 @@ double draw_theta(FuzzedDataProvider& in) {
   return i < std::size(picks) ? picks[i] : std::bit_cast<double>(in.ConsumeIntegral<std::uint64_t>());
 }
 
-/// Finite values in [-8, 8) on a 1/16 grid: every codec stores them.
-std::vector<float> values_from(FuzzedDataProvider& in, std::size_t n) {
-  std::vector<float> out(n);
-  for (float& x : out) x = static_cast<float>(in.ConsumeIntegral<std::int8_t>()) / 16.0f;
-  return out;
-}
 
 /// True when `check` returns; false when it throws kvpack::Error.
 template <class F>

@@ -21,23 +21,19 @@
 #include <vector>
 
 #include "fuzz/fuzz_check.hpp"
+#include "fuzz/fuzz_values.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/eviction_check.hpp"
 
 namespace {
 
 using namespace kvpack;
+using fuzz::values_from;
 const ModelShape kShape{2, 4, 2, 32};
 constexpr index_t kPage = 16;
 constexpr std::size_t kMaxLive = 5;
 constexpr float kScale = 0.17677669f;
 
-/// Finite values in [-8, 8) on a 1/16 grid.
-std::vector<float> values_from(FuzzedDataProvider& in, std::size_t n) {
-  std::vector<float> out(n);
-  for (float& x : out) x = static_cast<float>(in.ConsumeIntegral<std::int8_t>()) / 16.0f;
-  return out;
-}
 
 /// Relative error allowed against exact attention over the tokens read: one quantization of the
 /// codec (the caches' kernels read the same decoded keys and values as read_back, so what is

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fuzz/fuzz_check.hpp"
+#include "fuzz/fuzz_values.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace {
@@ -165,8 +166,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         const index_t layer = in.ConsumeIntegralInRange<index_t>(0, kShape.layers - 1);
         const std::size_t n = s.written[static_cast<std::size_t>(layer)];
         if (n == 0 || (n < s.cached + static_cast<std::size_t>(config.tail_tokens))) break;
-        std::vector<float> q(query_row), a(query_row), b(query_row);
-        for (float& x : q) x = static_cast<float>(in.ConsumeIntegral<std::int8_t>()) / 16.0f;
+        const auto q = fuzz::values_from(in, query_row);
+        std::vector<float> a(query_row), b(query_row);
         cache.attend(s.shared, layer, std::span<const float>(q), std::span<float>(a), 0.125f);
         twin.attend(s.twin, layer, std::span<const float>(q), std::span<float>(b), 0.125f);
         FUZZ_CHECK(a == b);
