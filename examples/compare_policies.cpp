@@ -346,7 +346,7 @@ void print_detector(const Options& o, const std::vector<Row>& rows) {
   }
   fmt::print("hit rate: heads that failed recall and fired, over those that failed; false alarm: heads that recalled "
              "and fired, over those that recalled ('—': no such head); fired row: '#' every head, digits tenths, '.' "
-             "none, '-' no report (an evicting cache without page summaries: h2o).\n");
+             "none, '-' no report (an evicting cache without page summaries).\n");
 }
 
 /// `text` as a JSON string literal (quotes, backslashes and control characters escaped).

@@ -101,7 +101,8 @@ class KVCache {
                 "(their byte layouts differ)");
   static_assert(ValueCodec::kPlane == Plane::kValue,
                 "Quantizer::value_codec encodes the key plane: values need a value-plane codec");
-  static_assert(!(Evictor::kNeedsScores && !Selector::kReadsAllPages),
+  // select::Quest passes: it may read every page (dense_layers), which the constructor checks.
+  static_assert(!(Evictor::kNeedsScores && !Selector::kReadsAllPages) || std::is_same_v<Selector, select::Quest>,
                 "an Evictor that ranks tokens by attention scores cannot be combined with a "
                 "Selector that skips pages: tokens on unread pages would never be scored");
   static_assert(Selector::kReadsAllPages || std::is_same_v<Selector, select::Quest>,
@@ -147,6 +148,13 @@ class KVCache {
     }
     if constexpr (kSummarizes) {
       selector_.validate();
+      if constexpr (Evictor::kNeedsScores) {
+        // Here Quest only keeps summaries (for the bound): a skipped page's tokens would go unscored.
+        KVPACK_CHECK(selector_.reads_densely(shape_.layers - 1), kUnsupported,
+                     detail::message(Evictor::kName, " ranks tokens by attention scores, so it needs every page "
+                                     "read: select::Quest's dense_layers must cover all ", shape_.layers,
+                                     " layers, got ", selector_.dense_layers));
+      }
       KVPACK_CHECK(shape_.group_size() <= 64 && key_dim_ <= 1024, kUnsupported,
                    detail::message("select::Quest scores pages for at most 64 query heads per KV head and "
                                    "head_dim 1024, got ", shape_.group_size(), " and ", key_dim_));

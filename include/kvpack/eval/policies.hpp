@@ -283,8 +283,8 @@ inline constexpr std::string_view kMatrixCodecs[] = {"f16", "q8_0", "q4_0", "kiv
 #endif
 
 /// The eviction-matrix policy of `evictor` over `codec` (kMatrixEvictors × kMatrixCodecs),
-/// keeping `budget` tokens per KV stream; evictors other than H2O keep page summaries
-/// (summaries_only), so the needle can ask them what they dropped.
+/// keeping `budget` tokens per KV stream; every evictor keeps page summaries (summaries_only), so
+/// the needle can ask it what it dropped.
 /// \throws kvpack::Error (kInvalidArgument) for an evictor or codec outside the matrix
 KVPACK_EVAL_REGISTRY_INLINE Policy evictor_policy(std::string_view evictor, std::string_view codec,
                                                    index_t budget = kEvictionBudgetTokens);
@@ -307,10 +307,7 @@ inline std::vector<Policy> eviction_matrix_policies(index_t budget = kEvictionBu
 }
 
 #if !defined(KVPACK_EVAL_PREBUILT_POLICIES) || defined(KVPACK_EVAL_DEFINE_BUILTIN_POLICIES)
-/// `evictor` over quantizer Q at `budget` tokens per KV stream. H2O keeps no summaries: it scores
-/// every token at every attend, which KVCache does not allow with a selector that may skip pages
-/// (a compile-time check on the selector's type, even with every layer dense), so it cannot
-/// certify what it dropped.
+/// `evictor` over quantizer Q at `budget` tokens per KV stream, with page summaries.
 template <class Q>
 Policy evictor_policy_over(std::string_view evictor, std::string name, const std::string& codec, index_t residual,
                     index_t budget) {
@@ -321,7 +318,7 @@ Policy evictor_policy_over(std::string_view evictor, std::string name, const std
   }
   if (evictor == "h2o") {
     return make_policy<Q>(std::move(name), "H2O: half recent, half heavy hitters, " + tokens + ", " + codec, {},
-                          residual, evict::H2O<>{evict::Uniform{budget}});
+                          residual, evict::H2O<>{evict::Uniform{budget}}, summaries_only());
   }
   if (evictor == "snapkv") {
     return make_policy<Q>(std::move(name), "SnapKV: window 32, max-pool 7, " + tokens + ", " + codec, {}, residual,

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "kvpack/eval/exact_attention.hpp"
@@ -289,6 +290,72 @@ TEST_CASE("the certified bound covers evicted tokens: StreamingLLM and SnapKV wi
       KVCache<layout::GQA, quant::Float<half>> twin(kShape, config);
       CHECK(check_bound(cache, twin, d, queries, 10) < 2.0);  // measured 1.29×
     }
+  }
+}
+
+TEST_CASE("H2O with Quest's summaries: the same evictions and outputs, and a bound on what it dropped",
+          "[quest][cache][bound]") {
+  const evict::H2O<> h2o{evict::Uniform{160}};
+  select::Quest summaries;
+  summaries.dense_layers = kShape.layers;  // every page read: H2O scores every live token
+  KVCache<layout::GQA, quant::Float<half>, evict::H2O<>, select::Quest> cache(kShape, {}, {}, {}, h2o, summaries);
+  KVCache<layout::GQA, quant::Float<half>, evict::H2O<>> plain(kShape, {}, {}, {}, h2o);
+  KVCache<layout::GQA, quant::Float<half>> twin(kShape);
+  const Data d = make_data(600, 6, {300});
+  const auto observation = test::random_rows(16 * static_cast<std::size_t>(kShape.q_heads), kShape.head_dim, 61);
+  const SeqId a = cache.add_sequence();
+  const SeqId b = plain.add_sequence();
+  const SeqId c = twin.add_sequence();
+  for (index_t layer = 0; layer < kShape.layers; ++layer) {
+    cache.prefill(a, layer, std::span<const float>(d.keys), std::span<const float>(d.values),
+                  std::span<const float>(observation));
+    plain.prefill(b, layer, std::span<const float>(d.keys), std::span<const float>(d.values),
+                  std::span<const float>(observation));
+    twin.prefill(c, layer, std::span<const float>(d.keys), std::span<const float>(d.values));
+  }
+  double largest_mass = 0.0;
+  for (index_t t = 0; t < 48; ++t) {
+    // Every 8th step asks along the needle's direction, which H2O may have dropped.
+    const auto q = t % 8 == 7 ? query_along(6, 3.0f) : test::random_rows(kShape.q_heads, kShape.head_dim, 700 + t);
+    const auto k = test::random_rows(kShape.kv_heads, kShape.head_dim, 800 + 2 * t);
+    const auto v = test::random_rows(kShape.kv_heads, kShape.head_dim, 801 + 2 * t);
+    for (index_t layer = 0; layer < kShape.layers; ++layer) {
+      AttendReport report;
+      const auto with_summaries = attend(cache, a, layer, q, &report);
+      CHECK(with_summaries == attend(plain, b, layer, q));  // the scores H2O keeps are the same
+      CHECK(report.pages_read == report.pages_total);
+      for (index_t s = 0; s < kShape.kv_heads; ++s) {
+        const StoredTokens kept = cache.read_back(a, layer, s);
+        CHECK(kept.positions == plain.read_back(b, layer, s).positions);
+        const std::set<std::int32_t> read(kept.positions.begin(), kept.positions.end());
+        const auto truth = true_unread_mass(twin, c, layer, s, read, q);
+        for (index_t g = 0; g < kShape.group_size(); ++g) {
+          const double bound = report.heads[static_cast<std::size_t>(s * kShape.group_size() + g)].mass;
+          INFO("step " << t << " layer " << layer << " head " << s * kShape.group_size() + g << ": bound " << bound
+                       << ", true " << truth[g]);
+          CHECK(bound >= truth[g] - 1e-7);
+          largest_mass = std::max(largest_mass, truth[g]);
+        }
+      }
+      cache.append(a, layer, std::span<const float>(k), std::span<const float>(v), d.tokens + t);
+      plain.append(b, layer, std::span<const float>(k), std::span<const float>(v), d.tokens + t);
+      twin.append(c, layer, std::span<const float>(k), std::span<const float>(v), d.tokens + t);
+    }
+  }
+  CHECK(cache.live_tokens(a, 0, 0) < twin.live_tokens(c, 0, 0));  // H2O did evict
+  CHECK(largest_mass > 1e-3);                      // and what it dropped mattered somewhere
+}
+
+TEST_CASE("H2O with Quest skipping pages is refused: unread tokens would go unscored", "[quest][cache]") {
+  select::Quest selective;
+  selective.dense_layers = kShape.layers - 1;
+  try {
+    KVCache<layout::GQA, quant::Float<half>, evict::H2O<>, select::Quest> cache(kShape, {}, {}, {}, {}, selective);
+    FAIL("accepted");
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.code() == ErrorCode::kUnsupported);
+    CHECK(std::string(e.what()).find("dense_layers must cover all 2 layers, got 1") != std::string::npos);
   }
 }
 

@@ -72,21 +72,18 @@ TEST_CASE("StreamingLLM's detector fires on every head whose needle it evicted",
   CHECK(report.detector().hit_rate() == 1.0);
 }
 
-TEST_CASE("SnapKV's and PyramidKV's detectors miss no failure, and H2O cannot report", "[eval][needle][detector]") {
-  const Policy policies[] = {find_policy("snapkv"), find_policy("pyramidkv"), find_policy("snapkv+q4_0"),
-                             find_policy("h2o")};
+TEST_CASE("SnapKV's, PyramidKV's and H2O's detectors miss no failure", "[eval][needle][detector]") {
+  const Policy policies[] = {find_policy("snapkv"), find_policy("pyramidkv"), find_policy("h2o"),
+                             find_policy("snapkv+q4_0")};
   const std::vector<NeedleReport> reports = NeedleSuite(detector_spec()).run(policies);
-  for (std::size_t p = 0; p < 2; ++p) {
+  for (std::size_t p = 0; p < 3; ++p) {
     INFO(policies[p].name << " recall " << reports[p].compact(2048) << " fired " << reports[p].compact_fired(2048));
     const DetectorRates rates = reports[p].detector();
     CHECK(rates.failed > 0);  // a quarter of the context cannot hold every middle needle
     CHECK(rates.misses == 0);
   }
   // q4_0's own error can fail recall on a head with little unread mass: only count that it ran.
-  CHECK(reports[2].detector().ran());
-  // H2O scores every token at every attend, so it keeps no page summaries to bound with.
-  CHECK_FALSE(reports[3].detector().ran());
-  CHECK(reports[3].compact_fired(2048) == "-----------");
+  CHECK(reports[3].detector().ran());
 }
 
 TEST_CASE("Quest at a 512-token budget finds the needle's page at every depth", "[eval][needle][detector]") {
