@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The sanitizer half of the README test command, run after the normal build's ctest:
-#   1. build-asan/: clang, -O1 -gline-tables-only, AddressSanitizer (leaks included) + UBSan (no recovery: the
-#      first report fails the run); the unit test modules core, paging, kernels, cache and io,
-#      each run in full, kernels beside the others (logs in build-asan/test-<module>.log).
-#      Then the libFuzzer targets of tests/fuzz/, each from its seed corpus tests/fuzz/corpus/<name>
-#      (new inputs go to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), in
-#      two chains to use both cores: fuzz_cache_ops (random operation sequences against the
-#      reference model) for KVPACK_FUZZ_SECONDS (default 60), then fuzz_eviction_ops (the same on
-#      evicting caches) and fuzz_prefix_ops (prefix sharing against a twin without it); beside
-#      them fuzz_kv_dump (the K/V dump loader) for 10^6 runs (KVPACK_FUZZ_RUNS), then fuzz_config
-#      (configs and shapes), fuzz_codec_spans (K/V bit patterns through every codec) and
-#      fuzz_page_file (any bytes through the page-file reader). The targets after the first of
-#      each chain run for KVPACK_FUZZ_SECONDS / 4 each. Each target's log is in
+#   1. build-asan/: clang, -O1 -gline-tables-only, AddressSanitizer (leaks included) + UBSan (no
+#      recovery: the first report fails the run); the unit test modules core, paging, kernels,
+#      cache and io, each run in full (logs in build-asan/test-<module>.log), and the libFuzzer
+#      targets of tests/fuzz/, each from its seed corpus tests/fuzz/corpus/<name> (new inputs go
+#      to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), in two chains,
+#      one per core. First: the kernels module, fuzz_cache_ops (random operation sequences
+#      against the reference model) for KVPACK_FUZZ_SECONDS (default 60), fuzz_prefix_ops
+#      (prefix sharing against a twin without it). Second: the other modules, fuzz_kv_dump (the K/V dump loader)
+#      for 10^6 runs (KVPACK_FUZZ_RUNS), fuzz_config (configs and shapes), fuzz_codec_spans (K/V
+#      bit patterns through every codec), fuzz_page_file (any bytes through the page-file reader)
+#      and fuzz_eviction_ops (operation sequences on evicting caches). The targets after
+#      cache_ops and kv_dump run for KVPACK_FUZZ_SECONDS / 4 each. Each target's log is in
 #      build-asan/fuzz-<name>.log; its final counts are printed.
-#   2. build-tsan/: clang, -O1 -gline-tables-only, ThreadSanitizer; the "[threads]" tests (the concurrency stress
-#      test, the executor, the pool, the prefix index and prefix sharing in the cache), built alone
-#      as kvpack_test_threads.
-# Not under sanitizers, for time (2 cores): the eval module (but for its dump loader), the examples and their tests, the
-# benches, the compile-only and packaging checks; the normal build runs all of them.
+#   2. build-tsan/: clang, -O1 -gline-tables-only, ThreadSanitizer; the "[threads]" tests (the
+#      concurrency stress test, the executor, the pool, the prefix index and prefix sharing in the
+#      cache), built alone as kvpack_test_threads.
+# Not under sanitizers, for time (2 cores): the quant module (see below), the eval module (but for
+# its dump loader), the examples and their tests, the benches, the compile-only and packaging
+# checks; the normal build runs all of them.
 #
 #   cmake/run_sanitizers.sh            both
 #   cmake/run_sanitizers.sh asan|tsan  one of them
@@ -33,8 +34,8 @@ esac
 cxx="${KVPACK_SANITIZER_CXX:-clang++-14}"
 jobs="${KVPACK_SANITIZER_JOBS:-2}"
 # Line tables are all a sanitizer report needs (file:line per frame); full debug info made the
-# ASan build 1.2-1.8 times slower (measured per translation unit). -O0 would build twice as fast but
-# run the kernel tests 4.5 times slower (519 s against 116 s).
+# ASan build 1.2-1.8 times slower (measured per translation unit). -O0 would build twice as fast
+# but run the kernel tests 4.5 times slower (519 s against 116 s).
 common=(-DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -gline-tables-only"
         -DKVPACK_BUILD_BENCH=OFF -DKVPACK_BUILD_EXAMPLES=OFF -DKVPACK_INSTALL=OFF -DKVPACK_ENABLE_CUDA=OFF)
 
@@ -55,8 +56,8 @@ if [[ "$which_builds" != tsan ]]; then
   cmake --build build-asan -j"$jobs" --target "${modules[@]/#/kvpack_test_}" "${fuzzers[@]/#/kvpack_fuzz_}"
   export ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-  # Two chains on the two cores: the kernels module (the longest, ~100 s) beside the others.
-  run_chain() {
+  # Runs each test module named, in full; its log is build-asan/test-<module>.log.
+  run_modules() {
     local module
     for module in "$@"; do
       run "build-asan/tests/kvpack_test_$module" >"build-asan/test-$module.log" 2>&1 ||
@@ -64,12 +65,6 @@ if [[ "$which_builds" != tsan ]]; then
       grep -E '^(All tests passed|run_sanitizers:)' "build-asan/test-$module.log"
     done
   }
-  run_chain kernels &
-  kernels_pid=$!
-  status=0
-  run_chain core paging cache io || status=$?
-  wait "$kernels_pid" || status=$?
-  ((status == 0)) || exit "$status"
   # Runs fuzz target $1 with libFuzzer's limits $2...; its output goes to build-asan/fuzz-$1.log,
   # and only the final counts (or, on failure, the end of the log) to this script's output.
   fuzz() {
@@ -88,18 +83,22 @@ if [[ "$which_builds" != tsan ]]; then
     echo "run_sanitizers: fuzz_$name passed in $((SECONDS - start)) s"
   }
   seconds="${KVPACK_FUZZ_SECONDS:-60}"
-  { fuzz cache_ops -max_total_time="$seconds" && fuzz eviction_ops -max_total_time=$((seconds / 4)) &&
+  # Two chains of about three minutes, one per core: the kernels module (~110 s) and two fuzzers;
+  # the other modules (~55 s) and five fuzzers.
+  { run_modules kernels && fuzz cache_ops -max_total_time="$seconds" &&
       fuzz prefix_ops -max_total_time=$((seconds / 4)); } &
-  operations_pid=$!
+  first_chain=$!
   # A failure stops a chain but still waits for the other, so that no fuzzer outlives the script.
   status=0
   # fuzz_kv_dump allocates and frees a file buffer per run: a small quarantine keeps those pages
   # hot (1.7 times the runs per second; use-after-free is still caught within 8 MB of frees).
-  ASAN_OPTIONS="$ASAN_OPTIONS:quarantine_size_mb=8" fuzz kv_dump -runs="${KVPACK_FUZZ_RUNS:-1000000}" &&
+  run_modules core paging cache io &&
+    ASAN_OPTIONS="$ASAN_OPTIONS:quarantine_size_mb=8" fuzz kv_dump -runs="${KVPACK_FUZZ_RUNS:-1000000}" &&
     fuzz config -max_total_time=$((seconds / 4)) &&
     fuzz codec_spans -max_total_time=$((seconds / 4)) &&
-    fuzz page_file -max_total_time=$((seconds / 4)) || status=$?
-  wait "$operations_pid" || status=$?
+    fuzz page_file -max_total_time=$((seconds / 4)) &&
+    fuzz eviction_ops -max_total_time=$((seconds / 4)) || status=$?
+  wait "$first_chain" || status=$?
   ((status == 0)) || exit "$status"
 fi
 
