@@ -66,6 +66,7 @@ struct Options {
   std::vector<std::string> policies;  // empty: all built-in but kNotByDefault
   bool eviction_matrix = false;       // also every evictor x codec pair (eval::eviction_matrix_policies)
   bool pinned = false;                // the needle's pinned variant for the evictors
+  index_t budget = eval::kEvictionBudgetTokens;  // evictors' tokens per KV stream (synthetic, needle)
   index_t model_budget = kModelEvictionBudget;
   std::string kv_dump;  // empty: the synthetic layer
   index_t dump_layer = 0;
@@ -95,6 +96,8 @@ void print_usage(std::FILE* to) {
              "                       <evictor>+<codec>: streaming-llm, h2o, snapkv, pyramidkv over q8_0, q4_0, kivi-4\n"
              "  --eviction-matrix    add every evictor x codec pair (4 evictors x f16, q8_0, q4_0, kivi-4)\n"
              "  --pinned             also run the evictors on the needle pinned (first needle context)\n"
+             "  --budget N           evictors' tokens per KV stream on the synthetic layer and the needle\n"
+             "                       (default 512; 1 to 262144)\n"
              "  --model-budget N     evictors' tokens per KV stream on stories260K (default 64; 1 to 512)\n"
              "  --model-dir DIR      stories260K files (default $KVPACK_MODEL_DIR or ../shared/models/stories260K)\n"
              "  --no-model           skip the real-model columns\n"
@@ -140,6 +143,8 @@ Options parse(int argc, char** argv) {
       o.eviction_matrix = true;
     } else if (args.is("--pinned")) {
       o.pinned = true;
+    } else if (args.is("--budget")) {
+      o.budget = args.number<index_t>(1, 262144);
     } else if (args.is("--model-budget")) {
       o.model_budget = args.number<index_t>(1, 512);
     } else if (args.is("--model-dir")) {
@@ -462,6 +467,11 @@ int run(const Options& o) {
     for (eval::Policy& policy : eval::eviction_matrix_policies()) {
       const auto same = [&](const eval::Policy& p) { return p.name == policy.name; };
       if (std::none_of(policies.begin(), policies.end(), same)) policies.push_back(std::move(policy));
+    }
+  }
+  if (o.budget != eval::kEvictionBudgetTokens) {
+    for (eval::Policy& policy : policies) {
+      if (policy.with_budget) policy = policy.with_budget(o.budget);
     }
   }
   // Wall time of each phase, printed at the end (the default run is meant to take about a minute).
