@@ -177,6 +177,7 @@ struct Row {
   std::optional<eval::NeedleReport> pinned_needle;  // evictors: the needle inside a pinned span
   std::optional<llama2c::PolicyResult> model;  // empty: no model; not_applicable says why it did not run
   index_t model_budget_tokens = 0;  // evictors: tokens per KV stream on the real model (--model-budget)
+  std::optional<llama2c::PrefilledResult> model_prefilled;  // evictors: the real model read with a prefill
   double decode_gbps = 0, seconds_per_attend = 0, vs_f16 = 0;
 };
 
@@ -319,9 +320,40 @@ void print_eviction(const Options& o, index_t tokens, const std::vector<Row>& ro
   if (model_tokens) {
     fmt::print("stories260K: the evictors' model columns use {} tokens per KV stream (--model-budget); the engine "
                "appends token by token, and SnapKV/PyramidKV decide only at a prefill with observation queries, so "
-               "they keep every token there (see 'kept').\n",
+               "they keep every token there (see 'kept'; the prefill table below is where they evict).\n",
                o.model_budget);
   }
+}
+
+/// The evictors on stories260K when each text is a prompt prefilled at once (the observation
+/// window: its last queries) and a decoded rest, against the f32 cache read the same way.
+void print_prefilled(const std::vector<Row>& rows, const std::optional<llama2c::PrefilledResult>& reference,
+                     index_t budget) {
+  if (!reference || std::none_of(rows.begin(), rows.end(), [](const Row& r) { return r.model_prefilled.has_value(); })) {
+    return;
+  }
+  fmt::print("\nstories260K with a prefill, evictors at {} tokens per KV stream (--model-budget): the text's first half "
+             "and each probe up to its question are one prefill with the last {} queries as the observation window, "
+             "the rest is decoded; deltas against the f32 cache read the same way (decode loss {:.4f} nats/token, "
+             "name log p {:.3f} / {:.3f}):\n",
+             budget, llama2c::Decoder::kObservationWindow, reference->decode_loss, reference->name_question_after,
+             reference->name_question_in_window);
+  fmt::print("  {:<20} {:>10} {:>16} {:>22} {:>22}\n", "policy", "kept", "decode loss Δ", "name Δ, question after",
+             "name Δ, question in window");
+  for (const Row& r : rows) {
+    if (!r.model_prefilled) continue;
+    const llama2c::PrefilledResult& m = *r.model_prefilled;
+    if (!m.not_applicable.empty()) {
+      fmt::print("  {:<20} n/a: {}\n", r.policy, m.not_applicable);
+      continue;
+    }
+    fmt::print("  {:<20} {:>9.1f}% {:>+16.4f} {:>+22.3f} {:>+22.3f}\n", r.policy, 100.0 * m.kept_fraction,
+               m.decode_loss - reference->decode_loss, m.name_question_after - reference->name_question_after,
+               m.name_question_in_window - reference->name_question_in_window);
+  }
+  fmt::print("question after: the prefill ends before \"The dog's name was\", so the window never saw the question; "
+             "in window: it ends before \" was\", so the window holds most of it. Kept: share of the text held after "
+             "it (evictors keep every decoded token).\n");
 }
 
 /// The detector (eval::NeedleSpec::detector_epsilon): per policy that can certify what it did
@@ -605,6 +637,7 @@ int run(const Options& o) {
   bool have_model = false;
   std::optional<std::size_t> model_tokens;  // the real model's longest sequence
   index_t model_context = 0;                // the context stories260K was trained for
+  std::optional<llama2c::PrefilledResult> prefilled_reference;  // f32, read with a prefill
   std::string model_status;
   if (o.real_model) {
     const llama2c::ModelFiles files = llama2c::model_files(o.model_dir);
@@ -622,7 +655,14 @@ int run(const Options& o) {
         const bool evicts = policies[p].with_budget && policies[p].budget_tokens > 0;
         rows[p].model = llama2c::evaluate_policy(model, benchmark,
                                                  evicts ? policies[p].with_budget(o.model_budget) : policies[p]);
-        if (evicts) rows[p].model_budget_tokens = o.model_budget;
+        if (evicts) {
+          rows[p].model_budget_tokens = o.model_budget;
+          rows[p].model_prefilled = llama2c::evaluate_prefilled(model, benchmark, policies[p].with_budget(o.model_budget));
+          if (!prefilled_reference) {
+            prefilled_reference =
+                llama2c::evaluate_prefilled(model, benchmark, eval::find_policy(llama2c::kReferencePolicy));
+          }
+        }
         bar.update(static_cast<int>(p + 2));
       }
       model_context = model.config().seq_len;
@@ -659,6 +699,7 @@ int run(const Options& o) {
   }
 
   print_eviction(o, spec.tokens, rows, model_tokens, model_context);
+  print_prefilled(rows, prefilled_reference, o.model_budget);
   print_detector(o, rows);
 
   if (!o.json_path.empty()) {

@@ -124,6 +124,19 @@ struct PolicyResult {
   double kept_fraction = 1.0;
 };
 
+/// Share of the tokens `kv` has read that its cache still holds, over layers and KV heads.
+inline double kept_fraction(const CacheKvStore& kv) {
+  const kvpack::ModelShape& shape = kv.cache().shape();
+  double live = 0.0, held = 0.0;
+  for (kvpack::index_t layer = 0; layer < shape.layers; ++layer) {
+    for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
+      live += kv.cache().live_tokens(kv.sequence(), layer, head);
+      held += kv.cache().length(kv.sequence(), layer);
+    }
+  }
+  return held > 0.0 ? live / held : 1.0;
+}
+
 inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& benchmark,
                                     const kvpack::eval::Policy& policy) {
   PolicyResult result;
@@ -138,15 +151,7 @@ inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& b
   }
   const LogitRows logits = teacher_forced_logits(model, *kv, benchmark.text);
   result.bits_per_element = kv->cache().memory().bits_per_element();
-  const kvpack::ModelShape shape = model.kv_shape();
-  double live = 0.0, held = 0.0;
-  for (kvpack::index_t layer = 0; layer < shape.layers; ++layer) {
-    for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
-      live += kv->cache().live_tokens(kv->sequence(), layer, head);
-      held += kv->cache().length(kv->sequence(), layer);
-    }
-  }
-  result.kept_fraction = held > 0.0 ? live / held : 1.0;
+  result.kept_fraction = kept_fraction(*kv);
   result.nominal_bits = kv->cache().nominal_bits_per_element();
   result.text = score_text(benchmark.text_logits, logits, benchmark.text);
   result.loss_delta = result.text.loss - benchmark.text_loss;
@@ -160,6 +165,58 @@ inline PolicyResult evaluate_policy(const Transformer& model, const Benchmark& b
   }
   if (!benchmark.probes.empty()) result.name_log_prob /= static_cast<double>(benchmark.probes.size());
   result.name_log_prob_delta = result.name_log_prob - benchmark.name_log_prob;
+  return result;
+}
+
+/// One policy when the texts arrive as a prompt, prefilled at once, and a decoded rest: how
+/// engines serve, and the only way SnapKV and PyramidKV evict (they decide at prefill, from the
+/// prompt's last queries). Attention within the prompt is exact (Decoder::prefill), so only
+/// what is decoded after the prefill can show the cache's losses.
+struct PrefilledResult {
+  std::string policy;
+  std::string not_applicable;  ///< kvpack's error when the policy cannot hold this model
+  /// The fixed text: its first half is the prompt. Share of its tokens held after the text.
+  double kept_fraction = 1.0;
+  double decode_loss = 0.0;  ///< mean -log p(next token) over the decoded half, nats
+  /// Mean over probes of log p(name) when the prompt ends before the cue: the question comes
+  /// after the cache was compressed (EVAL.md's failure case).
+  double name_question_after = 0.0;
+  /// The same when the prompt ends before the cue's last token: most of the question is in the
+  /// observation window, and the name is still predicted from the compressed cache.
+  double name_question_in_window = 0.0;
+};
+
+/// \pre the policy's cache can be built for the model (else not_applicable says why)
+inline PrefilledResult evaluate_prefilled(const Transformer& model, const Benchmark& benchmark,
+                                          const kvpack::eval::Policy& policy) {
+  PrefilledResult result;
+  result.policy = policy.name;
+  const auto fresh_kv = [&] { return CacheKvStore(policy, model.kv_shape(), benchmark.cache, benchmark.inputs); };
+  try {
+    (void)fresh_kv();
+  } catch (const kvpack::Error& error) {
+    result.not_applicable = error.what();
+    return result;
+  }
+  const std::vector<int>& text = benchmark.text;
+  const std::size_t prompt = text.size() / 2;
+  CacheKvStore text_kv = fresh_kv();
+  const LogitRows logits = teacher_forced_logits(model, text_kv, text, prompt);
+  result.kept_fraction = kept_fraction(text_kv);
+  for (std::size_t row = prompt; row < logits.rows(); ++row) {
+    result.decode_loss -= kvpack::eval::log_softmax(logits.row(row))[static_cast<std::size_t>(text[row + 1])];
+  }
+  result.decode_loss /= static_cast<double>(logits.rows() - prompt);
+
+  for (const NameProbe& probe : benchmark.probes) {
+    CacheKvStore after_kv = fresh_kv(), in_window_kv = fresh_kv();
+    result.name_question_after += score_name(model, after_kv, probe, probe.cue_begin).log_prob;
+    result.name_question_in_window += score_name(model, in_window_kv, probe, probe.name_begin - 1).log_prob;
+  }
+  if (!benchmark.probes.empty()) {
+    result.name_question_after /= static_cast<double>(benchmark.probes.size());
+    result.name_question_in_window /= static_cast<double>(benchmark.probes.size());
+  }
   return result;
 }
 

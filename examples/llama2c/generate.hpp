@@ -35,6 +35,32 @@ class Decoder {
     return logits_;
   }
 
+  /// Queries a prefill hands to the cache as its observation window: SnapKV's default window
+  /// (ALGORITHMS.md §7).
+  static constexpr int kObservationWindow = 32;
+
+  /// Reads the whole `prompt` as one prefill (before any other token): attention within the
+  /// prompt is exact, over its fresh keys and values, and the store then receives each layer's
+  /// keys, values and last kObservationWindow queries in one `prefill` call, so evictors that
+  /// decide at prefill see the window. Returns the logits after every prompt token,
+  /// [prompt.size()][vocab]. Throws kvpack::Error when tokens were already read or the prompt is
+  /// empty.
+  std::vector<float> prefill(std::span<const int> prompt) {
+    KVPACK_CHECK(position_ == 0, kInvalidArgument,
+                 fmt::format("Decoder::prefill: the prompt must come first, but {} tokens were read", position_));
+    KVPACK_CHECK(!prompt.empty(), kInvalidArgument, "Decoder::prefill: the prompt is empty");
+    PrefillStaging staging(model_.kv_shape());
+    std::vector<float> rows;
+    rows.reserve(prompt.size() * logits_.size());
+    for (int token : prompt) {
+      model_.forward(token, position_, staging, logits_);
+      ++position_;
+      rows.insert(rows.end(), logits_.begin(), logits_.end());
+    }
+    staging.hand_over(kv_, kObservationWindow);
+    return rows;
+  }
+
   /// Tokens read so far.
   [[nodiscard]] int position() const noexcept { return position_; }
 

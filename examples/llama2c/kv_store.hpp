@@ -27,6 +27,11 @@ class KvStore {
   /// Stores one token of `layer`: key and value [kv_heads][head_dim], RoPE already applied to
   /// the key. Positions grow by at least one per call.
   virtual void append(int layer, std::span<const float> key, std::span<const float> value, int position) = 0;
+  /// Stores a whole prompt of `layer` at positions 0 .. T - 1 in one call: keys and values
+  /// [T][kv_heads][head_dim], and the last W prompt queries [W][q_heads][head_dim] (after RoPE)
+  /// for stores whose evictors decide at prefill (SnapKV).
+  virtual void prefill(int layer, std::span<const float> keys, std::span<const float> values,
+                       std::span<const float> observation_queries) = 0;
   /// Softmax attention of query [q_heads][head_dim] over every token stored for `layer`;
   /// query head h reads KV head h / (q_heads / kv_heads). Writes out [q_heads][head_dim].
   virtual void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const = 0;
@@ -46,6 +51,10 @@ class CacheKvStore final : public KvStore {
 
   void append(int layer, std::span<const float> key, std::span<const float> value, int position) override {
     cache_->append(sequence_, layer, key, value, position);
+  }
+  void prefill(int layer, std::span<const float> keys, std::span<const float> values,
+               std::span<const float> observation_queries) override {
+    cache_->prefill(sequence_, layer, keys, values, observation_queries);
   }
   void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const override {
     cache_->attend(sequence_, layer, query, out, scale);
@@ -74,12 +83,21 @@ class ExactKvStore final : public KvStore {
     values.insert(values.end(), value.begin(), value.end());
   }
 
+  void prefill(int layer, std::span<const float> keys, std::span<const float> values,
+               std::span<const float> /*observation_queries*/) override {
+    append(layer, keys, values, 0);
+  }
+
   void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const override {
     const std::vector<double> exact =
         kvpack::eval::exact_attention(keys_.at(static_cast<std::size_t>(layer)), values_.at(static_cast<std::size_t>(layer)),
                                       shape_.kv_heads, shape_.head_dim, query, scale);
     std::copy(exact.begin(), exact.end(), out.begin());
   }
+
+  /// Every token's keys (post-RoPE) or values of `layer`, [tokens][kv_heads][head_dim].
+  [[nodiscard]] std::span<const float> keys(int layer) const { return keys_.at(static_cast<std::size_t>(layer)); }
+  [[nodiscard]] std::span<const float> values(int layer) const { return values_.at(static_cast<std::size_t>(layer)); }
 
   /// Writes every layer's keys (post-RoPE) and values as a kvpack K/V dump (eval/kv_dump.hpp),
   /// real model K/V that compare_policies --kv-dump and other evaluations can read.
@@ -95,6 +113,47 @@ class ExactKvStore final : public KvStore {
   kvpack::ModelShape shape_;
   std::vector<std::vector<float>> keys_;    ///< [layers][tokens][kv_heads][head_dim]
   std::vector<std::vector<float>> values_;  ///< [layers][tokens][kv_heads][head_dim]
+};
+
+/// A prompt being prefilled: the forward pass attends exactly over the prompt's own fresh keys
+/// and values, as a prefill kernel does before any cache holds them, and every layer's queries
+/// are kept; `hand_over` then stores the prompt in the real store, one prefill call per layer
+/// with the last queries as the observation window.
+class PrefillStaging final : public KvStore {
+ public:
+  explicit PrefillStaging(const kvpack::ModelShape& shape)
+      : shape_(shape), exact_(shape), queries_(static_cast<std::size_t>(shape.layers)) {}
+
+  void append(int layer, std::span<const float> key, std::span<const float> value, int position) override {
+    exact_.append(layer, key, value, position);
+  }
+  void prefill(int layer, std::span<const float> keys, std::span<const float> values,
+               std::span<const float> observation_queries) override {
+    exact_.prefill(layer, keys, values, observation_queries);
+  }
+  void attend(int layer, std::span<const float> query, std::span<float> out, float scale) const override {
+    auto& queries = queries_.at(static_cast<std::size_t>(layer));
+    queries.insert(queries.end(), query.begin(), query.end());
+    exact_.attend(layer, query, out, scale);
+  }
+
+  /// Prefills `target` with every staged layer; the observation window is the last `window`
+  /// queries (fewer when the prompt is shorter).
+  void hand_over(KvStore& target, int window) const {
+    const std::size_t query_row = static_cast<std::size_t>(shape_.q_heads) * shape_.head_dim;
+    for (int layer = 0; layer < shape_.layers; ++layer) {
+      const std::vector<float>& queries = queries_[static_cast<std::size_t>(layer)];
+      const std::size_t kept = std::min(queries.size(), static_cast<std::size_t>(window) * query_row);
+      target.prefill(layer, exact_.keys(layer), exact_.values(layer),
+                     std::span<const float>(queries).last(kept));
+    }
+  }
+
+ private:
+  kvpack::ModelShape shape_;
+  ExactKvStore exact_;
+  // attend is const for the forward pass; recording its queries is bookkeeping, not state it reads.
+  mutable std::vector<std::vector<float>> queries_;  ///< [layers][tokens][q_heads][head_dim]
 };
 
 }  // namespace llama2c

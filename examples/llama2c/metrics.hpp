@@ -3,12 +3,15 @@
 /// \brief Teacher-forced logits of a text and how one run's compare with a reference run's:
 ///        loss, KL divergence, top-1 agreement, first greedy divergence.
 
+#include <fmt/core.h>
+
 #include <cstddef>
 #include <optional>
 #include <span>
 #include <vector>
 
 #include "generate.hpp"
+#include "kvpack/error.hpp"
 #include "kvpack/eval/metrics.hpp"
 #include "kv_store.hpp"
 #include "transformer.hpp"
@@ -27,11 +30,18 @@ struct LogitRows {
   }
 };
 
-/// Reads `tokens` into `kv` (fresh) and keeps the logits after each one but the last.
-inline LogitRows teacher_forced_logits(const Transformer& model, KvStore& kv, std::span<const int> tokens) {
+/// Reads `tokens` into `kv` (fresh) and keeps the logits after each one but the last. With
+/// `prefill_tokens` > 0 the first that many are one prefill (Decoder::prefill) and the rest are
+/// decoded one at a time; it must leave at least one token to decode.
+inline LogitRows teacher_forced_logits(const Transformer& model, KvStore& kv, std::span<const int> tokens,
+                                       std::size_t prefill_tokens = 0) {
+  KVPACK_CHECK(prefill_tokens == 0 || prefill_tokens < tokens.size(), kInvalidArgument,
+               fmt::format("teacher_forced_logits: a prefill of {} tokens leaves none of the {} to decode",
+                           prefill_tokens, tokens.size()));
   LogitRows logits{static_cast<std::size_t>(model.config().vocab_size), {}};
   Decoder decoder(model, kv);
-  for (std::size_t i = 0; i + 1 < tokens.size(); ++i) {
+  if (prefill_tokens > 0) logits.values = decoder.prefill(tokens.first(prefill_tokens));
+  for (std::size_t i = prefill_tokens; i + 1 < tokens.size(); ++i) {
     const std::span<const float> row = decoder.feed(tokens[i]);
     logits.values.insert(logits.values.end(), row.begin(), row.end());
   }

@@ -40,6 +40,7 @@ struct NameProbe {
   std::vector<int> tokens;      ///< the whole text, BOS first
   std::size_t name_begin = 0;   ///< index in `tokens` of the name's later mention
   std::size_t name_length = 0;  ///< its tokens
+  std::size_t cue_begin = 0;    ///< index in `tokens` of the cue's first token
 };
 
 namespace detail {
@@ -93,6 +94,7 @@ inline NameProbe make_name_probe(const Transformer& model, const Tokenizer& toke
   const std::string continuation = tokenizer.decode(std::span<const int>(probe.tokens).subspan(prompt.size()));
   KVPACK_CHECK(!detail::mentions(continuation, name), kInvalidArgument,
                fmt::format("the continuation sampled with seed {} spells '{}' again; pick another seed", seed, name));
+  probe.cue_begin = probe.tokens.size();
   probe.tokens.insert(probe.tokens.end(), cue.begin(), cue.end());
   probe.name_begin = probe.tokens.size();
   probe.tokens.insert(probe.tokens.end(), name_tokens.begin(), name_tokens.end());
@@ -105,9 +107,15 @@ struct NameScore {
   int top1 = 0;           ///< name tokens that were the most likely next token
 };
 
-/// Reads the probe into `kv` (fresh) and scores the name at its later mention.
-inline NameScore score_name(const Transformer& model, KvStore& kv, const NameProbe& probe) {
-  const LogitRows logits = teacher_forced_logits(model, kv, probe.tokens);
+/// Reads the probe into `kv` (fresh) and scores the name at its later mention; with
+/// `prefill_tokens` > 0 the text's first tokens are one prefill (teacher_forced_logits), which
+/// must end before the name.
+inline NameScore score_name(const Transformer& model, KvStore& kv, const NameProbe& probe,
+                            std::size_t prefill_tokens = 0) {
+  KVPACK_CHECK(prefill_tokens < probe.name_begin, kInvalidArgument,
+               fmt::format("score_name: a prefill of {} tokens covers the name at token {}", prefill_tokens,
+                           probe.name_begin));
+  const LogitRows logits = teacher_forced_logits(model, kv, probe.tokens, prefill_tokens);
   NameScore score;
   for (std::size_t i = probe.name_begin; i < probe.name_begin + probe.name_length; ++i) {
     const int token = probe.tokens[i];

@@ -13,6 +13,7 @@
 #include <iterator>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -265,6 +266,68 @@ TEST_CASE("oracle: f32 cache logits equal the exact forward pass at every positi
   for (std::size_t i = 0; i + 1 < benchmark.text.size(); ++i) {
     REQUIRE(argmax(benchmark.text_logits.row(i)) == benchmark.text[i + 1]);
   }
+}
+
+TEST_CASE("prefill: a prompt prefilled into the f32 cache, then decoded, gives the exact forward pass's logits",
+          "[llama2c][model]") {
+  const Model* m = model_or_warn();
+  if (m == nullptr) return;
+  const Benchmark& benchmark = shared_benchmark(*m);
+  const std::span<const int> text(benchmark.text);
+  ExactKvStore exact(m->transformer.kv_shape());
+  const LogitRows reference = teacher_forced_logits(m->transformer, exact, text);
+  for (const std::size_t prompt : {std::size_t{1}, std::size_t{31}, text.size() / 2, text.size() - 1}) {
+    CacheKvStore kv = f32_cache(m->transformer);
+    const LogitRows logits = teacher_forced_logits(m->transformer, kv, text, prompt);
+    REQUIRE(logits.values.size() == reference.values.size());
+    // Prompt rows are the exact pass's own arithmetic; decoded rows differ by the cache's fp32
+    // softmax, bounded as in the oracle test above.
+    double worst = 0.0;
+    for (std::size_t i = 0; i < reference.values.size(); ++i) {
+      const double bound = 1e-4 * (1.0 + std::fabs(reference.values[i]));
+      worst = std::max(worst, std::fabs(logits.values[i] - reference.values[i]) / bound);
+    }
+    INFO("prompt " << prompt << ": largest |Δlogit| as a share of 1e-4 (1 + |logit|): " << worst);
+    CHECK(worst <= 1.0);
+    CHECK(kv.cache().length(kv.sequence(), 0) == static_cast<kvpack::index_t>(text.size() - 1));
+  }
+  CacheKvStore kv = f32_cache(m->transformer);
+  CHECK_THROWS_WITH(teacher_forced_logits(m->transformer, kv, text, text.size()), Contains("leaves none of the"));
+  Decoder decoder(m->transformer, kv);
+  CHECK_THROWS_WITH(decoder.prefill({}), Contains("the prompt is empty"));
+  (void)decoder.feed(text[0]);
+  CHECK_THROWS_WITH(decoder.prefill(text.subspan(1, 4)), Contains("the prompt must come first, but 1 tokens"));
+}
+
+TEST_CASE("prefill: SnapKV evicts at the prefill from the observation window, then keeps every decoded token",
+          "[llama2c][model]") {
+  const Model* m = model_or_warn();
+  if (m == nullptr) return;
+  const Benchmark& benchmark = shared_benchmark(*m);
+  const std::span<const int> text(benchmark.text);
+  const kvpack::index_t budget = 64;
+  const kvpack::eval::Policy snapkv = kvpack::eval::find_policy("snapkv").with_budget(budget);
+  const std::size_t prompt = 160, decoded = 40;
+  CacheKvStore kv(snapkv, m->transformer.kv_shape(), kvpack::CacheConfig{});
+  Decoder decoder(m->transformer, kv);
+  (void)decoder.prefill(text.first(prompt));
+  const kvpack::ModelShape shape = m->transformer.kv_shape();
+  // Without the window's queries SnapKV would keep all 160: the budget proves they arrived.
+  for (kvpack::index_t layer = 0; layer < shape.layers; ++layer) {
+    for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
+      CHECK(kv.cache().live_tokens(kv.sequence(), layer, head) == budget);
+    }
+  }
+  for (std::size_t i = prompt; i < prompt + decoded; ++i) (void)decoder.feed(text[i]);
+  for (kvpack::index_t head = 0; head < shape.kv_heads; ++head) {
+    CHECK(kv.cache().live_tokens(kv.sequence(), shape.layers - 1, head) == budget + static_cast<kvpack::index_t>(decoded));
+  }
+  const PrefilledResult result = evaluate_prefilled(m->transformer, benchmark, snapkv);
+  CHECK(result.not_applicable.empty());
+  CHECK(result.kept_fraction == Approx(static_cast<double>(budget + text.size() - 1 - text.size() / 2) /
+                                       static_cast<double>(text.size() - 1)));
+  CHECK(std::isfinite(result.decode_loss));
+  CHECK(result.name_question_after < 0.0);
 }
 
 TEST_CASE("policies: every builtin runs on the real model or says why it cannot", "[llama2c][model]") {
