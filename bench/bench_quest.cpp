@@ -6,7 +6,13 @@
 // KVCache<GQA, Q, KeepAll, select::Quest> holding the same tokens, with token_budget B and no
 // dense layers: each step scores every page's summary for the KV head's 4 query heads (max over
 // the group), keeps the top B/32 pages and reads only those — scoring and selection included.
-// Budgets are 1/4, 1/16 and 1/64 of the context per KV head.
+// Budgets are 1/1 (every page: the cost of scoring the boxes), 1/4, 1/16 and 1/64 of the
+// context per KV head.
+//
+// BM_DenseInterleaved is BM_Dense over a stream whose pages are not adjacent in the pool, as
+// decoding leaves them (the same tokens prefilled 32 at a time, so the 8 streams' pages
+// alternate): what dense attention costs without the hardware prefetcher running across pages.
+// Quest's selected pages are scattered the same way; the speed-ups stay against BM_Dense.
 //
 // Every iteration starts from DRAM: the caches are flushed (a 256 MiB read, not timed) before
 // each step, as a decode loop that visits 32 layers between two steps of one layer would see.
@@ -58,8 +64,10 @@ void flush_caches() {
 
 struct Fixture {
   virtual ~Fixture() = default;
-  /// One decode step of the layer through KVCache::attend: dense (budget < 0) or Quest.
+  /// One decode step of the layer through KVCache::attend: Quest with token budget `budget`,
+  /// or kDense (the dense cache) or kInterleaved (the dense cache with scattered pages).
   virtual void step(index_t budget) = 0;
+  static constexpr index_t kDense = -1, kInterleaved = -2;
   index_t pages = 0;              // per KV head
   std::size_t payload_bytes = 0;  // per page, K and V planes
   std::size_t box_bytes = 0;      // per page: the summary's min and max rows Quest scans
@@ -117,8 +125,21 @@ struct QuestFixture final : Fixture {
     return *cache;
   }
 
+  std::unique_ptr<Dense> interleaved;  // built on first use
+
   void step(index_t budget) override {
-    if (budget < 0) {
+    if (budget == kInterleaved) {
+      if (!interleaved) {
+        interleaved = std::make_unique<Dense>(kLayerShape, CacheConfig{}, bench::make_quantizer<Quantizer>(kLayerShape));
+        const SeqId seq = interleaved->add_sequence();
+        const std::size_t row = static_cast<std::size_t>(kLayerShape.kv_heads) * kLayerShape.head_dim;
+        for (index_t t = 0; t < kContext; t += 32) {
+          interleaved->prefill(seq, 0, std::span<const half>(keys).subspan(t * row, 32 * row),
+                               std::span<const half>(values).subspan(t * row, 32 * row));
+        }
+      }
+      interleaved->attend(1, 0, std::span<const float>(query), std::span<float>(out), kScale);
+    } else if (budget == kDense) {
       dense->attend(1, 0, std::span<const float>(query), std::span<float>(out), kScale);
     } else {
       with_budget(budget).attend(1, 0, std::span<const float>(query), std::span<float>(out), kScale);
@@ -140,7 +161,7 @@ std::map<std::string, double>& dense_seconds() {
   return seconds;
 }
 
-/// budget_tokens < 0: dense.
+/// budget_tokens: a Quest token budget, or Fixture::kDense / kInterleaved (negative).
 template <class Quantizer>
 void quest_benchmark(benchmark::State& state, index_t budget_tokens) {
   const std::string key = Quantizer::name();
@@ -171,7 +192,7 @@ void quest_benchmark(benchmark::State& state, index_t budget_tokens) {
   const double bytes = budget_tokens < 0 ? dense_bytes
                                          : heads * (pages_per_head * static_cast<double>(fixture.payload_bytes) +
                                                     fixture.pages * static_cast<double>(fixture.box_bytes));
-  if (budget_tokens < 0) dense_seconds()[key] = per_step;
+  if (budget_tokens == Fixture::kDense) dense_seconds()[key] = per_step;
   state.counters["bytes_per_step"] = bytes;
   state.counters["GBps"] = bytes / per_step / 1e9;
   state.counters["pages_per_head"] = budget_tokens < 0 ? fixture.pages : pages_per_head;
@@ -189,10 +210,14 @@ template <class Quantizer>
 void register_codec() {
   const std::string name = bench::row_name<Quantizer>();
   benchmark::RegisterBenchmark(fmt::format("BM_Dense<{}>/ctx:{}", name, kContext).c_str(),
-                               [](benchmark::State& s) { quest_benchmark<Quantizer>(s, -1); })
+                               [](benchmark::State& s) { quest_benchmark<Quantizer>(s, Fixture::kDense); })
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
-  for (const index_t fraction : {4, 16, 64}) {
+  benchmark::RegisterBenchmark(fmt::format("BM_DenseInterleaved<{}>/ctx:{}", name, kContext).c_str(),
+                               [](benchmark::State& s) { quest_benchmark<Quantizer>(s, Fixture::kInterleaved); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+  for (const index_t fraction : {1, 4, 16, 64}) {
     const index_t budget = kContext / fraction;
     benchmark::RegisterBenchmark(fmt::format("BM_Quest<{}>/ctx:{}/budget:{}", name, kContext, budget).c_str(),
                                  [budget](benchmark::State& s) { quest_benchmark<Quantizer>(s, budget); })

@@ -455,7 +455,9 @@ inline void group_page_bounds(std::span<const float> queries, index_t group, ind
 
 /// The k pages with the largest bounds (ties: lower page index first; NaN counts as +inf),
 /// written to out[0, min(k, n)) in increasing page order so attention reads them in token order.
-/// O(n log k), no allocation, deterministic. Returns min(k, n).
+/// Deterministic and allocation-free. With room for all n indices in `out` (the cache's case) it
+/// selects in O(n) on average (nth_element, then a sort of the k kept); with less, a heap of k in
+/// O(n log k). Returns min(k, n).
 /// \throws kvpack::Error (kInvalidArgument) when k < 0 or out holds fewer than min(k, n) entries
 inline index_t select_top_pages(std::span<const float> bounds, index_t k, std::span<index_t> out) {
   KVPACK_CHECK(k >= 0, kInvalidArgument, kvpack::detail::message("select_top_pages: k = ", k, " must be >= 0"));
@@ -466,16 +468,22 @@ inline index_t select_top_pages(std::span<const float> bounds, index_t k, std::s
   for (index_t i = 0; i < count; ++i) out[i] = i;
   if (count == n) return count;  // every page (also k == 0 with n == 0)
   if (count == 0) return 0;
-  // A heap of the best `count` so far with the worst on top: a page replaces it when it ranks before it.
-  const auto worse_on_top = [&](index_t a, index_t b) { return detail::ranks_before(bounds, a, b); };
+  // ranks_before is a strict total order (ties broken by index), so both paths keep the same set.
+  const auto ranks_before = [&](index_t a, index_t b) { return detail::ranks_before(bounds, a, b); };
   const auto first = out.begin();
   const auto last = out.begin() + count;
-  std::make_heap(first, last, worse_on_top);
-  for (index_t i = count; i < n; ++i) {
-    if (detail::ranks_before(bounds, i, out[0])) {
-      std::pop_heap(first, last, worse_on_top);
-      *(last - 1) = i;
-      std::push_heap(first, last, worse_on_top);
+  if (out.size() >= static_cast<std::size_t>(n)) {
+    for (index_t i = count; i < n; ++i) out[i] = i;
+    std::nth_element(first, last, out.begin() + n, ranks_before);
+  } else {
+    // A heap of the best `count` so far with the worst on top: a page replaces it when it ranks before it.
+    std::make_heap(first, last, ranks_before);
+    for (index_t i = count; i < n; ++i) {
+      if (ranks_before(i, out[0])) {
+        std::pop_heap(first, last, ranks_before);
+        *(last - 1) = i;
+        std::push_heap(first, last, ranks_before);
+      }
     }
   }
   std::sort(first, last);
