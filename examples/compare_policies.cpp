@@ -402,8 +402,16 @@ std::string json_string(std::string_view text) {
   return out + '"';
 }
 
+/// A PrefilledResult as JSON (absolute values; deltas are against model_prefilled_reference).
+std::string prefilled_json(const std::optional<llama2c::PrefilledResult>& m) {
+  if (!m || !m->not_applicable.empty()) return "null";
+  return fmt::format("{{\"kept_fraction\": {:.4f}, \"decode_loss\": {:.6f}, \"name_log_prob_question_after\": {:.6f}, "
+                     "\"name_log_prob_question_in_window\": {:.6f}}}",
+                     m->kept_fraction, m->decode_loss, m->name_question_after, m->name_question_in_window);
+}
+
 void write_json(const std::string& path, const Options& o, const eval::SyntheticSpec& spec,
-                const std::vector<Row>& rows) {
+                const std::vector<Row>& rows, const std::optional<llama2c::PrefilledResult>& prefilled_reference) {
   auto file = fmt::output_file(path);
   file.print("{{\n  \"workload\": {{\"kind\": {}, \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, "
              "\"head_dim\": {}, \"outlier_channels\": {}, \"outlier_scale\": {}, \"rope_theta\": {}, \"seed\": {}}},\n"
@@ -441,10 +449,11 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
       const llama2c::PolicyResult& m = *r.model;
       model = fmt::format("{{\"loss\": {:.6f}, \"loss_delta\": {:.6f}, \"logit_kl\": {:.6g}, \"top1_agreement\": {:.4f}, "
                           "\"first_divergence\": {}, \"name_log_prob\": {:.6f}, \"name_log_prob_delta\": {:.6f}, "
-                          "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}}}",
+                          "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"prefilled\": {}}}",
                           m.text.loss, m.loss_delta, m.text.kl, m.text.top1_agreement, m.text.first_divergence ? fmt::format("{}", *m.text.first_divergence) : "null",
                           m.name_log_prob, m.name_log_prob_delta,
-                          r.model_budget_tokens > 0 ? fmt::format("{}", r.model_budget_tokens) : "null", m.kept_fraction);
+                          r.model_budget_tokens > 0 ? fmt::format("{}", r.model_budget_tokens) : "null", m.kept_fraction,
+                          prefilled_json(r.model_prefilled));
     }
     file.print("    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
                "\"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
@@ -462,9 +471,10 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
                i + 1 < rows.size() ? "," : "");
   }
   file.print("  ],\n  \"needle_contexts\": [{}],\n  \"observation_window\": {},\n  \"needle_pinned_span\": {},\n"
-             "  \"needle_detector_epsilon\": {:.6f},\n  \"model_eviction_budget_tokens\": {}\n}}\n",
+             "  \"needle_detector_epsilon\": {:.6f},\n  \"model_eviction_budget_tokens\": {},\n"
+             "  \"model_prefilled_reference\": {}\n}}\n",
              fmt::join(o.needle_contexts, ", "), kObservationWindow, o.pinned ? fmt::format("{}", kPinnedSpan) : "null",
-             eval::NeedleSpec{}.detector_epsilon(), o.model_budget);
+             eval::NeedleSpec{}.detector_epsilon(), o.model_budget, prefilled_json(prefilled_reference));
 }
 
 void write_csv(const std::string& path, const std::vector<Row>& rows) {
@@ -703,7 +713,7 @@ int run(const Options& o) {
   print_detector(o, rows);
 
   if (!o.json_path.empty()) {
-    write_json(o.json_path, o, spec, rows);
+    write_json(o.json_path, o, spec, rows, prefilled_reference);
     fmt::print("rows written to {}\n", o.json_path);
   }
   if (!o.csv_path.empty()) {
