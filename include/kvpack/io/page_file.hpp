@@ -1,8 +1,9 @@
 #pragma once
 /// \file page_file.hpp
-/// \brief KV page files (issue 9, part 1): a versioned, self-describing, little-endian file of
-///        one sequence's pages. write_page_file writes one; PageFile maps one read-only and
-///        verifies it; PageFileView reads one from any buffer. The format: page_file_format.hpp
+/// \brief KV page files (issue 9): a versioned, self-describing, little-endian file of one
+///        sequence's pages. write_page_file writes one; PageFile maps one read-only and
+///        verifies it; PageFileView reads one from any buffer; load_page_file puts one back
+///        into a cache. The format: page_file_format.hpp
 ///        and the README's "KV page files" section.
 
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "kvpack/io/mapped_file.hpp"
 #include "kvpack/io/page_file_decode.hpp"
+#include "kvpack/io/page_file_loader.hpp"
 #include "kvpack/io/page_file_reader.hpp"
 #include "kvpack/io/page_file_writer.hpp"
 

@@ -79,8 +79,12 @@ class PageFileView {
     return p;
   }
   [[nodiscard]] bool live(index_t layer, index_t stream, std::uint32_t page, index_t slot) const {
-    return live_bit(slots_.subspan(index(layer, stream, page) * header_.slot_bytes, header_.slot_bytes),
-                    checked_slot(slot));
+    return live_bit(slots(layer, stream, page), checked_slot(slot));
+  }
+  /// One page's whole SLOT record, `slot_bytes` long: positions, then the live mask (the head of
+  /// the pool's page metadata).
+  [[nodiscard]] std::span<const std::byte> slots(index_t layer, index_t stream, std::uint32_t page) const {
+    return slots_.subspan(index(layer, stream, page) * header_.slot_bytes, header_.slot_bytes);
   }
   /// PARM's bytes for one (layer, stream): ParamsFormat<params_type>::read turns them back.
   [[nodiscard]] std::span<const std::byte> key_params(index_t layer, index_t stream) const {

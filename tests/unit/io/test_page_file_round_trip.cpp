@@ -1,18 +1,23 @@
 // Page files round trip every covered codec × layout: the pages read back are the pool's bytes,
 // slot for slot, the codec parameters are the cache's, and decoding the pages with the codec gives
 // exactly what read_back gives. A mapped file reads the same as the buffer, without copies.
+// load_page_file puts a file back into a cache: the loaded sequence writes the same file again
+// and attends exactly as the original; what it cannot load leaves the cache as it was.
 
 #include <catch2/catch.hpp>
 
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <unistd.h>
 #include <vector>
 
 #include "kvpack/io/page_file.hpp"
 #include "kvpack/kvpack.hpp"
+#include "support/random_kv.hpp"
 #include "unit/io/page_file_fixture.hpp"
+#include "unit/io/page_file_surgery.hpp"
 #include "unit/io/thrown_error.hpp"
 
 namespace {
@@ -87,7 +92,150 @@ void round_trip(CacheConfig config = {}) {
   check_round_trip(cache, seq, file);
 }
 
+/// Attention over `seq` of `a` and `copy` of `b`, every layer, bit for bit.
+template <class Cache>
+void check_same_attention(const Cache& a, SeqId seq, const Cache& b, SeqId copy) {
+  const ModelShape& shape = a.shape();
+  const std::vector<float> query = test::random_rows(static_cast<std::size_t>(shape.q_heads), shape.head_dim, 99);
+  std::vector<float> expected(query.size()), got(query.size());
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    a.attend(seq, layer, std::span<const float>(query), std::span<float>(expected), 0.125f);
+    b.attend(copy, layer, std::span<const float>(query), std::span<float>(got), 0.125f);
+    INFO("layer " << layer);
+    CHECK(std::memcmp(expected.data(), got.data(), got.size() * sizeof(float)) == 0);
+  }
+}
+
+/// Loads the file of a filled cache's sequence into a fresh cache of the same type (behind
+/// another sequence): the loaded sequence writes the same bytes, so it holds the same pages,
+/// positions, live masks and codec parameters (attention over it is then the original's; the
+/// cases below check that too).
+template <class Cache>
+void load_round_trip(CacheConfig config = {}) {
+  Cache original(test::kPageFileShape, config);
+  const SeqId seq = test::fill_sequence(original);
+  const std::vector<std::int32_t> tokens = test::token_ids(test::page_file_tokens(config));
+  const io::PageFileOptions options{"test-model/3x4x2x64", tokens};
+  const std::vector<std::byte> bytes = io::write_page_file(original, seq, options);
+  Cache loaded(test::kPageFileShape, config);
+  (void)test::fill_sequence(loaded, 11);
+  const SeqId copy = io::load_page_file(loaded, io::PageFileView::parse(bytes));
+  CHECK(io::write_page_file(loaded, copy, options) == bytes);
+  if constexpr (std::is_same_v<typename Cache::quantizer_type, quant::KIVI<2, 64>>) {
+    check_same_attention(original, seq, loaded, copy);  // keys before RoPE: rotated at read
+  }
+}
+
+/// The error load_page_file throws for `bytes` into `cache`, after checking the cache is as it was.
+template <class Cache>
+Error failed_load(Cache& cache, const std::vector<std::byte>& bytes) {
+  const std::size_t pages = cache.memory().pages_in_use, total = cache.memory().total();
+  const auto error = test::thrown_error([&] { (void)io::load_page_file(cache, io::PageFileView::parse(bytes)); });
+  REQUIRE(error);
+  CHECK(cache.memory().pages_in_use == pages);
+  CHECK(cache.memory().total() == total);
+  return *error;
+}
+
 }  // namespace
+
+TEMPLATE_TEST_CASE("page files load back into a cache bit for bit, every codec but FP8, GQA and CrossLayer",
+                   "[io][page_file]", quant::Float<float>, quant::Float<half>, quant::Float<bfloat16>, quant::Int8,
+                   quant::Q8_0, quant::Q4_0, (quant::Mixed<quant::Q8_0, quant::Q4_0>), quant::KIVI<2>, quant::KIVI<4>,
+                   (quant::KiviPerTokenKeys<4, 32>)) {
+  SECTION("GQA") { load_round_trip<KVCache<layout::GQA, TestType>>(); }
+  SECTION("CrossLayer<GQA, 2>") { load_round_trip<KVCache<CrossLayer2, TestType>>(); }
+}
+
+TEST_CASE("page files load back with keys before RoPE and with positions that skip", "[io][page_file]") {
+  SECTION("pre-RoPE keys, KIVI groups of 64") {
+    CacheConfig config;
+    config.page_size = 64;
+    config.key_rope = RopeSpec{500000.0, RopePairing::kHalfSplit, 4096};
+    load_round_trip<KVCache<layout::GQA, quant::KIVI<2, 64>>>(config);
+  }
+  SECTION("appended tokens at every third position: the loader appends them at theirs") {
+    KVCache<layout::GQA, quant::Q4_0> original(test::kPageFileShape);
+    const SeqId seq = original.add_sequence();
+    const ModelShape& shape = test::kPageFileShape;
+    const std::size_t row = static_cast<std::size_t>(shape.kv_heads) * shape.head_dim;
+    const index_t tokens = test::page_file_tokens(original.config());
+    for (index_t layer = 0; layer < shape.layers; ++layer) {
+      const std::vector<float> keys = test::random_rows(tokens * shape.kv_heads, shape.head_dim, 3 + layer, 4);
+      const std::vector<float> values = test::random_rows(tokens * shape.kv_heads, shape.head_dim, 5 + layer);
+      for (index_t t = 0; t < tokens; ++t) {
+        original.append(seq, layer, std::span<const float>(keys).subspan(t * row, row),
+                        std::span<const float>(values).subspan(t * row, row), 3 * t + 1);
+      }
+    }
+    const std::vector<std::byte> bytes = io::write_page_file(original, seq);
+    KVCache<layout::GQA, quant::Q4_0> loaded(test::kPageFileShape);
+    const SeqId copy = io::load_page_file(loaded, io::PageFileView::parse(bytes));
+    CHECK(io::write_page_file(loaded, copy) == bytes);
+    CHECK(loaded.read_back(copy, 2, 1).positions == original.read_back(seq, 2, 1).positions);
+    check_same_attention(original, seq, loaded, copy);
+  }
+}
+
+TEST_CASE("load_page_file refuses what it cannot load exactly and leaves the cache as it was", "[io][page_file]") {
+  KVCache<layout::GQA, quant::Q8_0> source(test::kPageFileShape);
+  const std::vector<std::byte> bytes = io::write_page_file(source, test::fill_sequence(source));
+  SECTION("another quantizer") {
+    KVCache<layout::GQA, quant::Q4_0> cache(test::kPageFileShape);
+    const Error error = failed_load(cache, bytes);
+    CHECK(error.code() == ErrorCode::kUnsupported);
+    CHECK_THAT(error.what(), Catch::Contains("q8_0"));
+  }
+  SECTION("another shape, layout or page size") {
+    KVCache<layout::GQA, quant::Q8_0> wider(ModelShape{3, 8, 4, 64});
+    CHECK_THAT(failed_load(wider, bytes).what(), Catch::Contains("is not the cache's (3, 8, 4, 64)"));
+    KVCache<CrossLayer2, quant::Q8_0> shared(test::kPageFileShape);
+    CHECK_THAT(failed_load(shared, bytes).what(), Catch::Contains("the file's layout is gqa"));
+    CacheConfig config;
+    config.page_size = 64;
+    KVCache<layout::GQA, quant::Q8_0> larger_pages(test::kPageFileShape, config);
+    CHECK(failed_load(larger_pages, bytes).code() == ErrorCode::kInvalidArgument);
+  }
+  SECTION("a cache with a tail, or one that evicts, or other RoPE storage") {
+    CacheConfig config;
+    config.tail_tokens = 32;
+    KVCache<layout::GQA, quant::Q8_0> tail(test::kPageFileShape, config);
+    CHECK(failed_load(tail, bytes).code() == ErrorCode::kUnsupported);
+    KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> evicting(test::kPageFileShape);
+    CHECK_THAT(failed_load(evicting, bytes).what(), Catch::Contains("evicting cache"));
+    CacheConfig rope;
+    rope.key_rope = RopeSpec{};
+    KVCache<layout::GQA, quant::Q8_0> pre_rope(test::kPageFileShape, rope);
+    CHECK_THAT(failed_load(pre_rope, bytes).what(), Catch::Contains("keys after RoPE, the cache before"));
+  }
+  SECTION("FP8, whose scales a load would calibrate") {
+    KVCache<layout::GQA, quant::FP8<quant::E4M3FN>> fp8_source(test::kPageFileShape);
+    const std::vector<std::byte> fp8 = io::write_page_file(fp8_source, test::fill_sequence(fp8_source));
+    KVCache<layout::GQA, quant::FP8<quant::E4M3FN>> cache(test::kPageFileShape);
+    CHECK(failed_load(cache, fp8).code() == ErrorCode::kUnsupported);
+  }
+  SECTION("a page its codec would not encode that way: found by the byte check, then released") {
+    // One code byte of the last layer's first page changed (and the file re-sealed): the page
+    // still decodes, but code -128 lies beyond the 127 its scale was chosen for, so re-encoding
+    // picks another scale.
+    std::vector<std::byte> edited = bytes;
+    const std::size_t pages_body = test::sections_of(edited).back().body;
+    const std::size_t last_layer_page = 2 * test::kPageFileShape.kv_heads * 3;
+    const std::size_t payload = io::PageFileView::parse(bytes).header().payload_bytes;
+    edited[pages_body + last_layer_page * payload + 7] = std::byte{0x80};  // code -128: beyond the block's 127
+    test::reseal(edited);
+    KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape);
+    const Error error = failed_load(cache, edited);
+    CHECK(error.code() == ErrorCode::kUnsupported);
+    CHECK_THAT(error.what(), Catch::Contains("re-encoding layer 2 stream 0 page 0"));
+  }
+  SECTION("a pool too small: the pages taken so far go back") {
+    CacheConfig config;
+    config.max_pages = 10;  // the file holds 3 layers x 2 streams x 3 pages = 18
+    KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape, config);
+    CHECK(failed_load(cache, bytes).code() == ErrorCode::kOutOfPages);
+  }
+}
 
 TEMPLATE_TEST_CASE("page files round trip every covered codec on GQA and CrossLayer", "[io][page_file]",
                    quant::Float<float>, quant::Float<half>, quant::Float<bfloat16>, quant::FP8<quant::E4M3FN>,
