@@ -6,21 +6,77 @@
 // Random mutations almost never keep a CRC32C right, so each input is parsed twice: as it is, and
 // with its checksums and length recomputed (test::reseal), which lets mutations of header fields, parameters
 // and slots reach the checks behind the checksums.
+// A file that parses and holds f16, q4_0 or KIVI-2 pages of a small shape is also loaded into a
+// fresh cache of its type (io::load_page_file): the load either throws a kvpack::Error and leaves
+// no page allocated, or succeeds with every page equal to the file's.
 // Built and run by cmake/run_sanitizers.sh over the seed corpus in tests/fuzz/corpus/page_file
 // (valid files from the writer of several codecs and layouts, and a few broken ones).
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 #include "fuzz/fuzz_check.hpp"
+#include "kvpack/io/page_file_loader.hpp"
 #include "kvpack/io/page_file_reader.hpp"
+#include "kvpack/kvpack.hpp"
 #include "unit/io/page_file_surgery.hpp"
 
 namespace {
 
 bool inside(std::span<const std::byte> view, std::span<const std::byte> buffer) {
   return view.data() >= buffer.data() && view.data() + view.size() <= buffer.data() + buffer.size();
+}
+
+/// Loads `file` into a fresh `Cache` built from its header; see the file comment.
+template <class Cache>
+void check_load(const kvpack::io::PageFileView& file) {
+  using namespace kvpack;
+  const io::PageFileHeader& h = file.header();
+  try {
+    CacheConfig config;
+    config.page_size = h.page_size;
+    if (h.keys_before_rope) {
+      config.key_rope = RopeSpec{h.rope_theta, static_cast<RopePairing>(h.rope_pairing), h.rope_max_position};
+    }
+    Cache cache(h.shape, config);
+    try {
+      const SeqId seq = io::load_page_file(cache, file);
+      const typename Cache::layout_type layout{};
+      for (index_t c = 0; c < h.cache_layers; ++c) {
+        for (index_t s = 0; s < h.streams; ++s) {
+          const std::span<const PageId> ids = cache.pages(seq, layout::writer_of(layout, h.shape, c), s);
+          FUZZ_CHECK(ids.size() == file.page_count(c, s));
+          for (std::uint32_t p = 0; p < ids.size(); ++p) {
+            FUZZ_CHECK(std::memcmp(cache.pool().payload(ids[p]), file.payload(c, s, p).data(), h.payload_bytes) == 0);
+          }
+        }
+      }
+    } catch (const Error&) {
+      FUZZ_CHECK(cache.memory().pages_in_use == 0);
+      throw;
+    }
+  } catch (const Error& e) {
+    FUZZ_CHECK(e.code() == ErrorCode::kInvalidArgument || e.code() == ErrorCode::kUnsupported ||
+               e.code() == ErrorCode::kInvalidConfig || e.code() == ErrorCode::kOutOfRange);
+  }
+}
+
+/// The seed corpus's codecs, at shapes small enough to load on every run.
+void try_load(const kvpack::io::PageFileView& file) {
+  using namespace kvpack;
+  const io::PageFileHeader& h = file.header();
+  const bool small = h.shape.layers <= 4 && h.shape.q_heads <= 16 && h.shape.kv_heads <= 4 && h.shape.head_dim <= 128 &&
+                     file.total_pages() <= 256 && (!h.keys_before_rope || h.rope_max_position <= (1 << 16));
+  if (!small) return;
+  if (h.quantizer == quant::Float<half>::name() && h.layout == layout::GQA::kName) {
+    check_load<KVCache<layout::GQA, quant::Float<half>>>(file);
+  } else if (h.quantizer == quant::Q4_0::name() && h.layout == layout::CrossLayer<layout::GQA, 2>::kName) {
+    check_load<KVCache<layout::CrossLayer<layout::GQA, 2>, quant::Q4_0>>(file);
+  } else if (h.quantizer == quant::KIVI<2>::name() && h.layout == layout::GQA::kName) {
+    check_load<KVCache<layout::GQA, quant::KIVI<2>>>(file);
+  }
 }
 
 void check_file(std::span<const std::byte> buffer) {
@@ -61,6 +117,7 @@ void check_file(std::span<const std::byte> buffer) {
       threw = e.code() == ErrorCode::kInvalidArgument;
     }
     FUZZ_CHECK(threw);
+    try_load(file);
   } catch (const Error& e) {
     FUZZ_CHECK(e.code() == ErrorCode::kInvalidArgument || e.code() == ErrorCode::kUnsupported);
   }

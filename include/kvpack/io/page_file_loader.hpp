@@ -17,12 +17,14 @@
 /// prefix, an evictor, prefix sharing). Token ids in the file are not attached to the sequence.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "kvpack/cache_config.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/io/codec_registry.hpp"
 #include "kvpack/io/page_file_decode.hpp"
@@ -51,7 +53,7 @@ void check_compatible(const Cache& cache, const PageFileHeader& h) {
                                h.shape.q_heads, ", kv_heads ", h.shape.kv_heads, ", head_dim ", h.shape.head_dim,
                                ") is not the cache's (", shape.layers, ", ", shape.q_heads, ", ", shape.kv_heads, ", ",
                                shape.head_dim, ")"));
-  std::uint32_t layers_per_cache = 1;
+  index_t layers_per_cache = 1;
   if constexpr (requires { Layout::kLayersPerCache; }) layers_per_cache = Layout::kLayersPerCache;
   KVPACK_CHECK(h.layout == Layout::kName && h.layers_per_cache == layers_per_cache, kInvalidArgument,
                detail::message("load_page_file: the file's layout is ", h.layout, " (", h.layers_per_cache,
@@ -104,6 +106,14 @@ void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, in
   for (index_t s = 0; s < streams; ++s) {
     for (std::uint32_t p = 0; p < pages; ++p) {
       decode_page<Quantizer>(file, c, s, p, page_keys.data(), page_values.data());
+      // The checksums passed, so these bytes were written this way: say where, rather than let
+      // the cache's input check name a row of its own.
+      const auto finite = [](const std::vector<float>& xs) {
+        return std::all_of(xs.begin(), xs.end(), [](float x) { return std::isfinite(x); });
+      };
+      KVPACK_CHECK(finite(page_keys) && finite(page_values), kInvalidArgument,
+                   detail::message("load_page_file: cache layer ", c, " stream ", s, " page ", p,
+                                   " decodes to NaN or Inf"));
       for (index_t t = 0; t < page; ++t) {
         const std::size_t token = static_cast<std::size_t>(p) * page + t;
         KVPACK_CHECK(file.live(c, s, p, t), kUnsupported,
@@ -169,7 +179,10 @@ void check_identical(const Cache& cache, SeqId seq, const PageFileView& file, in
 /// \throws kvpack::Error, leaving the cache as it was (no sequence added, memory unchanged):
 ///         kUnsupported for another quantizer, FP8, a cache with a tail, exact prefix, prefix
 ///         sharing or an evictor, dead slots in the file, or a page that did not re-encode to
-///         the file's bytes; kInvalidArgument for another shape, layout, page size or RoPE;
+///         the file's bytes; kInvalidArgument for another shape, layout, page size or RoPE, a
+///         page that decodes to NaN or Inf, or positions that differ between streams; the
+///         cache's own errors for what it refuses to store (positions that go backwards:
+///         kInvalidArgument; values beyond the codec's range: kOutOfRange);
 ///         kvpack::OutOfPages when the pool cannot hold the pages.
 template <class Cache>
 SeqId load_page_file(Cache& cache, const PageFileView& file) {

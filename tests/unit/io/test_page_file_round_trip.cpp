@@ -229,6 +229,18 @@ TEST_CASE("load_page_file refuses what it cannot load exactly and leaves the cac
     CHECK(error.code() == ErrorCode::kUnsupported);
     CHECK_THAT(error.what(), Catch::Contains("re-encoding layer 2 stream 0 page 0"));
   }
+  SECTION("a page that decodes to Inf (fuzz_page_file's first find, now named by the loader)") {
+    KVCache<layout::GQA, quant::Float<half>> f16_source(test::kPageFileShape);
+    std::vector<std::byte> f16 = io::write_page_file(f16_source, test::fill_sequence(f16_source));
+    const std::size_t pages_body = test::sections_of(f16).back().body;
+    f16[pages_body] = std::byte{0x00};
+    f16[pages_body + 1] = std::byte{0x7C};  // fp16 +Inf in the first key element
+    test::reseal(f16);
+    KVCache<layout::GQA, quant::Float<half>> cache(test::kPageFileShape);
+    const Error error = failed_load(cache, f16);
+    CHECK(error.code() == ErrorCode::kInvalidArgument);
+    CHECK_THAT(error.what(), Catch::Contains("cache layer 0 stream 0 page 0 decodes to NaN or Inf"));
+  }
   SECTION("a pool too small: the pages taken so far go back") {
     CacheConfig config;
     config.max_pages = 10;  // the file holds 3 layers x 2 streams x 3 pages = 18
