@@ -186,14 +186,15 @@ struct PrefilledResult {
   double name_question_in_window = 0.0;
 };
 
-/// \pre the policy's cache can be built for the model (else not_applicable says why)
+/// The policy read with a prefill (PrefilledResult); a policy that cannot hold the model gets
+/// not_applicable instead.
 inline PrefilledResult evaluate_prefilled(const Transformer& model, const Benchmark& benchmark,
                                           const kvpack::eval::Policy& policy) {
   PrefilledResult result;
   result.policy = policy.name;
   const auto fresh_kv = [&] { return CacheKvStore(policy, model.kv_shape(), benchmark.cache, benchmark.inputs); };
   try {
-    (void)fresh_kv();
+    (void)fresh_kv();  // one cache built up front, so a policy that cannot hold the model says why
   } catch (const kvpack::Error& error) {
     result.not_applicable = error.what();
     return result;

@@ -8,8 +8,8 @@
 /// and keeps every one of its invariants (tables, accounting, Quest summaries). A codec's
 /// decode-then-encode is not the identity in general, so the loader then compares every page,
 /// slot record and codec parameter with the file's: a mismatch releases the new sequence and
-/// throws, and a loaded sequence is therefore always bit for bit what was written. Measured on
-/// every codec page files cover (test_page_file_round_trip.cpp): all reload exactly.
+/// throws, and a loaded sequence is therefore always bit for bit what was written. Tested on
+/// every codec it loads (test_page_file_round_trip.cpp): all reload exactly.
 ///
 /// Not loaded (kUnsupported): FP8, whose calibrated scales the cache fixes from the first page
 /// it encodes (a load would calibrate them from decoded values and could not take them back on
