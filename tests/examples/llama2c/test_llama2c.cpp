@@ -131,6 +131,16 @@ const Benchmark& shared_benchmark(const Model& m) {
   return benchmark;
 }
 
+/// The largest |run − reference| over every logit, as a share of 1e-4 · (1 + |reference|).
+double largest_logit_error(const LogitRows& reference, const LogitRows& run) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < reference.values.size(); ++i) {
+    const double bound = 1e-4 * (1.0 + std::fabs(reference.values[i]));
+    worst = std::max(worst, std::fabs(run.values[i] - reference.values[i]) / bound);
+  }
+  return worst;
+}
+
 CacheKvStore f32_cache(const Transformer& model) {
   return CacheKvStore(kvpack::eval::find_policy("f32"), model.kv_shape(), kvpack::CacheConfig{});
 }
@@ -252,11 +262,7 @@ TEST_CASE("oracle: f32 cache logits equal the exact forward pass at every positi
   const LogitRows reference = teacher_forced_logits(m->transformer, exact, benchmark.text);
   // The two runs differ only in attention: the cache's fp32 online softmax against double. Its
   // rounding (~1e-7 relative per step) grows through 5 layers to well under 1e-4 of a logit.
-  double worst = 0.0;
-  for (std::size_t i = 0; i < reference.values.size(); ++i) {
-    const double bound = 1e-4 * (1.0 + std::fabs(reference.values[i]));
-    worst = std::max(worst, std::fabs(benchmark.text_logits.values[i] - reference.values[i]) / bound);
-  }
+  const double worst = largest_logit_error(reference, benchmark.text_logits);
   INFO("largest |Δlogit| as a share of 1e-4 (1 + |logit|): " << worst);
   CHECK(worst <= 1.0);
   // The fixed text is the f32 cache's own greedy output, so teacher forcing reproduces it.
@@ -282,11 +288,7 @@ TEST_CASE("prefill: a prompt prefilled into the f32 cache, then decoded, gives t
     REQUIRE(logits.values.size() == reference.values.size());
     // Prompt rows are the exact pass's own arithmetic; decoded rows differ by the cache's fp32
     // softmax, bounded as in the oracle test above.
-    double worst = 0.0;
-    for (std::size_t i = 0; i < reference.values.size(); ++i) {
-      const double bound = 1e-4 * (1.0 + std::fabs(reference.values[i]));
-      worst = std::max(worst, std::fabs(logits.values[i] - reference.values[i]) / bound);
-    }
+    const double worst = largest_logit_error(reference, logits);
     INFO("prompt " << prompt << ": largest |Δlogit| as a share of 1e-4 (1 + |logit|): " << worst);
     CHECK(worst <= 1.0);
     CHECK(kv.cache().length(kv.sequence(), 0) == static_cast<kvpack::index_t>(text.size() - 1));

@@ -139,12 +139,18 @@ Error failed_load(Cache& cache, const std::vector<std::byte>& bytes) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("page files load back into a cache bit for bit, every codec but FP8, GQA and CrossLayer",
-                   "[io][page_file]", quant::Float<float>, quant::Float<half>, quant::Float<bfloat16>, quant::Int8,
-                   quant::Q8_0, quant::Q4_0, (quant::Mixed<quant::Q8_0, quant::Q4_0>), quant::KIVI<2>, quant::KIVI<4>,
+TEMPLATE_TEST_CASE("page files load back into a cache bit for bit, every codec but FP8", "[io][page_file]",
+                   quant::Float<float>, quant::Float<half>, quant::Float<bfloat16>, quant::Int8, quant::Q8_0,
+                   quant::Q4_0, (quant::Mixed<quant::Q8_0, quant::Q4_0>), quant::KIVI<2>, quant::KIVI<4>,
                    (quant::KiviPerTokenKeys<4, 32>)) {
-  SECTION("GQA") { load_round_trip<KVCache<layout::GQA, TestType>>(); }
-  SECTION("CrossLayer<GQA, 2>") { load_round_trip<KVCache<CrossLayer2, TestType>>(); }
+  load_round_trip<KVCache<layout::GQA, TestType>>();
+}
+
+// The layout only decides which model layer writes each cache layer, whatever the codec: two
+// codecs (one per-token, one per-channel) stand for the rest (and keep the test's compile time down).
+TEMPLATE_TEST_CASE("page files load back into a CrossLayer<GQA, 2> cache bit for bit", "[io][page_file]",
+                   quant::Q4_0, quant::KIVI<2>) {
+  load_round_trip<KVCache<CrossLayer2, TestType>>();
 }
 
 TEST_CASE("page files load back with keys before RoPE and with positions that skip", "[io][page_file]") {
