@@ -20,9 +20,10 @@ done
 # Compiler and build tools; xsimd (kvpack's one library dependency); Catch2 2 (tests); Google
 # Benchmark (bench/); fmt and Eigen (tests, examples and reference code); gnuplot (the Pareto
 # plot compare_policies draws); clang 14 and its sanitizer runtimes (cmake/run_sanitizers.sh, part
-# of the test command: ASan, UBSan, TSan).
+# of the test command: ASan, UBSan, TSan); hiredis and redis-server (the Redis tier, kvpack/tier/, and
+# its tests, which start their own server on loopback).
 required=(g++ make cmake libxsimd-dev catch2 libbenchmark-dev libfmt-dev libeigen3-dev gnuplot-nox clang-14
-          libclang-rt-14-dev)
+          libclang-rt-14-dev libhiredis-dev redis-server)
 # nm (tests/package ISA symbol check) comes with binutils, a dependency of g++.
 optional=(clang-format clang-tidy)
 

@@ -11,7 +11,9 @@
 /// decode attention speed (encoded bytes read per second, one thread). Evictor policies get the
 /// workload's last 32 prompt queries as their observation window, are charged their memory after
 /// eviction over every context token, run on stories260K at a budget scaled to its context
-/// (--model-budget), and with --pinned also on the needle pinned (EVAL.md §2).
+/// (--model-budget), and with --pinned also on the needle pinned (EVAL.md §2); on the needle they
+/// also run with every token written through to a tier and recalled when the certified bound
+/// fires (kvpack/tier/recall.hpp; --no-recall-tier skips it).
 ///
 /// Usage: compare_policies --help
 
@@ -66,6 +68,7 @@ struct Options {
   std::vector<std::string> policies;  // empty: all built-in but kNotByDefault
   bool eviction_matrix = false;       // also every evictor x codec pair (eval::eviction_matrix_policies)
   bool pinned = false;                // the needle's pinned variant for the evictors
+  bool recall_tier = true;            // the evictors on the needle with evict-to-tier + recall
   index_t budget = eval::kEvictionBudgetTokens;  // evictors' tokens per KV stream (synthetic, needle)
   index_t model_budget = kModelEvictionBudget;
   std::string kv_dump;  // empty: the synthetic layer
@@ -96,6 +99,8 @@ void print_usage(std::FILE* to) {
              "                       <evictor>+<codec>: streaming-llm, h2o, snapkv, pyramidkv over q8_0, q4_0, kivi-4\n"
              "  --eviction-matrix    add every evictor x codec pair (4 evictors x f16, q8_0, q4_0, kivi-4)\n"
              "  --pinned             also run the evictors on the needle pinned (first needle context)\n"
+             "  --no-recall-tier     skip the evictors on the needle with every token written through to a\n"
+             "                       tier and recalled when the certified bound fires (first needle context)\n"
              "  --budget N           evictors' tokens per KV stream on the synthetic layer and the needle\n"
              "                       (default 512; 1 to 262144)\n"
              "  --model-budget N     evictors' tokens per KV stream on stories260K (default 64; 1 to 512)\n"
@@ -143,6 +148,8 @@ Options parse(int argc, char** argv) {
       o.eviction_matrix = true;
     } else if (args.is("--pinned")) {
       o.pinned = true;
+    } else if (args.is("--no-recall-tier")) {
+      o.recall_tier = false;
     } else if (args.is("--budget")) {
       o.budget = args.number<index_t>(1, 262144);
     } else if (args.is("--model-budget")) {
@@ -175,6 +182,7 @@ struct Row {
   eval::ReconstructionError reconstruction;  // stored K and V against the fp32 input
   eval::NeedleReport needle;
   std::optional<eval::NeedleReport> pinned_needle;  // evictors: the needle inside a pinned span
+  std::optional<eval::NeedleReport> recall_needle;  // evictors: evict-to-tier + bound-driven recall
   std::optional<llama2c::PolicyResult> model;  // empty: no model; not_applicable says why it did not run
   index_t model_budget_tokens = 0;  // evictors: tokens per KV stream on the real model (--model-budget)
   std::optional<llama2c::PrefilledResult> model_prefilled;  // evictors: the real model read with a prefill
@@ -303,6 +311,20 @@ void print_eviction(const Options& o, index_t tokens, const std::vector<Row>& ro
       }
       fmt::print("  {:<20} needle retrieved {}   pinned: {}\n", "", retrieved,
                  pinned.empty() ? "not run (--pinned)" : pinned);
+      if (r.recall_needle) {
+        const index_t context = o.needle_contexts.front();
+        int questions = 0, recalls = 0;
+        std::uint64_t bytes = 0;
+        for (const eval::NeedleCell& c : r.recall_needle->cells) {
+          ++questions;
+          recalls += c.tier_recalls;
+          bytes += c.bytes_fetched;
+        }
+        fmt::print("  {:<20} with recall from a tier: recall {} (without: {}); recalled on {} of {} questions, "
+                   "{:.1f} MiB fetched per recall\n",
+                   "", r.recall_needle->compact(context), r.needle.compact(context), recalls, questions,
+                   recalls == 0 ? 0.0 : static_cast<double>(bytes) / recalls / (1 << 20));
+      }
     }
     if (r.model && r.model->not_applicable.empty() && r.model_budget_tokens > 0 && model_tokens) {
       fmt::print("  {:<20} stories260K at {} tokens = {} (its context), {} (its longest sequence): kept {:.1f} % of "
@@ -436,6 +458,16 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
     };
     const std::string needle = cells(r.needle);
     const std::string pinned = r.pinned_needle ? "[" + cells(*r.pinned_needle) + "]" : "null";
+    std::string recall = "null";
+    if (r.recall_needle) {
+      recall.clear();
+      for (const eval::NeedleCell& c : r.recall_needle->cells) {
+        recall += fmt::format("{}{{\"depth\": {:.2f}, \"recall\": {:.4f}, \"recalled_from_tier\": {}, "
+                              "\"bytes_fetched\": {}}}",
+                              recall.empty() ? "[" : ", ", c.depth, c.recall(), c.tier_recalls, c.bytes_fetched);
+      }
+      recall += "]";
+    }
     const eval::DetectorRates d = r.needle.detector();
     const auto rate = [](double x) { return std::isnan(x) ? std::string("null") : fmt::format("{:.4f}", x); };
     const std::string detector =
@@ -460,13 +492,14 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
                "\"key_reconstruction_rel_error\": {:.6g}, \"value_reconstruction_rel_error\": {:.6g}, "
                "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
                "\"needle_recall\": {:.4f}, \"needle_retrieved\": {:.4f}, \"needle\": [{}], \"needle_detector\": {}, "
-               "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"needle_pinned\": {}, \"real_model\": {}, "
+               "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"needle_pinned\": {}, \"needle_recall_from_tier\": {}, "
+               "\"real_model\": {}, "
                "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
                json_string(r.policy), json_string(r.description),
                r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element, r.payload_bits,
                r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values, r.error.mean,
                r.error.p99, r.needle.recall(), r.needle.retrieval(), needle, detector,
-               r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, model,
+               r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, model,
                r.decode_gbps, r.seconds_per_attend, r.vs_f16,
                i + 1 < rows.size() ? "," : "");
   }
@@ -641,6 +674,17 @@ int run(const Options& o) {
                                            [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
       for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].pinned_needle = pinned[e];
       end_phase("needle, pinned");
+    }
+    if (o.recall_tier && !evictors.empty()) {
+      needle.pinned_span = 0;
+      needle.recall_from_tier = true;
+      needle.contexts = {o.needle_contexts.front()};
+      const eval::NeedleSuite recall_suite(needle);
+      examples::ProgressBar recall_trials("needle, recall", static_cast<int>(needle.depths.size()));
+      const auto recalled = recall_suite.run(evictors, {}, [&](int done, int) { recall_trials.update(done); },
+                                             [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
+      for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].recall_needle = recalled[e];
+      end_phase("needle, recall");
     }
   }
 

@@ -20,6 +20,7 @@ enum class ErrorCode {
   kUnknownSequence,   ///< a SeqId that was never issued or was released
   kOutOfPages,        ///< the page pool has no free page left
   kUnsupported,       ///< a feature or value this build or codec does not support
+  kUnavailable,       ///< a storage tier could not be reached, read or written (kvpack/tier/)
 };
 
 /// The one exception type kvpack throws. A failed call leaves the cache as it was.

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -27,6 +28,8 @@
 #include "kvpack/eval/exact_attention.hpp"
 #include "kvpack/eval/policies.hpp"
 #include "kvpack/eval/synthetic.hpp"
+#include "kvpack/tier/host_tier.hpp"
+#include "kvpack/tier/recall.hpp"
 
 namespace kvpack::inline v0::eval {
 
@@ -42,6 +45,12 @@ struct NeedleSpec {
   /// Variant (EVAL.md §2): when > 0, the `pinned_span` tokens around the needle are pinned
   /// (AnyCache::pin) before prefill: no evictor may drop it, so it is retrieved at every depth.
   index_t pinned_span = 0;
+  /// Variant (issue 9, part 3): every token is also written through to a host-memory tier
+  /// (tier::RecallStore), and the question goes through tier::attend_with_recall: when the
+  /// certified bound fires (at detector_epsilon), the dropped tokens are fetched back and the
+  /// fired streams' heads attend over everything. Only caches that certify what they did not
+  /// read can recall; the others run as without it.
+  bool recall_from_tier = false;
 
   /// The unread mass above which the detector (KVCache's AttendReport) is said to fire for the
   /// question: tolerance / (1 + tolerance), 1/11 at the default 10 %. Why: every value but the
@@ -94,6 +103,10 @@ struct NeedleCell {
   int hits = 0;
   int misses = 0;
   int false_alarms = 0;
+  /// With NeedleSpec::recall_from_tier: questions for which some stream was recalled, and the
+  /// tier bytes fetched for them.
+  int tier_recalls = 0;
+  std::uint64_t bytes_fetched = 0;
   [[nodiscard]] double recall() const noexcept { return trials == 0 ? 0.0 : static_cast<double>(recalled) / trials; }
   [[nodiscard]] double retrieval() const noexcept {
     return trials == 0 ? 0.0 : static_cast<double>(retrieved) / trials;
@@ -410,22 +423,45 @@ class NeedleSuite {
       const index_t first = std::max<index_t>(0, trial.needle - spec_.pinned_span / 2);
       cache->pin(seq, first, std::min<index_t>(context - 1, first + spec_.pinned_span - 1));
     }
+    const bool detector = cache->certifies_unread();
+    // Write-through to a tier for the recall variant: what the evictor drops stays there.
+    std::optional<tier::HostTier> host;
+    std::optional<tier::RecallStore> store;
+    if (spec_.recall_from_tier && detector) {
+      host.emplace(std::size_t{1} << 40);  // a bound, not an allocation: nothing is ever dropped
+      store.emplace(*host, "needle");
+    }
+    const auto write_through = [&](index_t first, index_t count) {
+      if (!store) return;
+      std::vector<std::int64_t> positions(static_cast<std::size_t>(count));
+      for (index_t i = 0; i < count; ++i) positions[static_cast<std::size_t>(i)] = first + i;
+      const std::size_t begin = kv.offset(first, 0), end = kv.offset(first + count, 0);
+      store->write(seq, 0, heads, d, std::span<const float>(kv.keys.data() + begin, end - begin),
+                   std::span<const float>(kv.values.data() + begin, end - begin), positions);
+    };
     const std::size_t prompt_elements = kv.offset(context, 0);
     cache->prefill(seq, 0, std::span<const float>(kv.keys.data(), prompt_elements),
                    std::span<const float>(kv.values.data(), prompt_elements), trial.window);
+    write_through(0, context);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     std::vector<float> out(trial.question.size());
     const std::size_t kv_row = static_cast<std::size_t>(heads) * d;
     for (index_t step = 0; step < spec_.decode_steps; ++step) {
       const index_t t = context + step;
       cache->append(seq, 0, std::span<const float>(kv.key(t, 0), kv_row), std::span<const float>(kv.value(t, 0), kv_row), t);
+      write_through(t, 1);
       cache->attend(seq, 0, std::span<const float>(trial.decode_queries[step]), std::span<float>(out), scale);
     }
     // The question, with the detector's report when the cache can certify what it did not read.
     AttendReport report;
     report.epsilon = spec_.detector_epsilon();
-    const bool detector = cache->certifies_unread();
-    if (detector) {
+    if (store) {
+      if (tier::attend_with_recall(*cache, *store, seq, 0, std::span<const float>(trial.question), std::span<float>(out),
+                                   scale, report) > 0) {
+        ++cell.tier_recalls;
+      }
+      cell.bytes_fetched += store->stats().bytes_fetched;
+    } else if (detector) {
       cache->attend_reported(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale, report);
     } else {
       cache->attend(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale);

@@ -1,0 +1,186 @@
+#pragma once
+/// \file disk_tier.hpp
+/// \brief DiskTier: one file per entry in a directory, written to a temporary name and renamed
+///        into place, so a reader sees the old entry or the new one, never half of one. Entries
+///        are sealed (sealed_entry.hpp): a file cut short by a crash or damaged on disk is
+///        reported on read, never handed on. Thread-safe; several processes may share the
+///        directory (the last rename wins).
+///
+/// Entry `key` lives in `<directory>/<key>.kvtier`; temporaries start with '.', which no key
+/// may, and are left behind only by a writer that died mid-write (they are never read).
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "kvpack/error.hpp"
+#include "kvpack/tier/sealed_entry.hpp"
+#include "kvpack/tier/tier.hpp"
+
+namespace kvpack::inline v0::tier {
+
+struct DiskTierOptions {
+  /// fsync each file before it is renamed into place (and the directory after): entries then
+  /// survive a power loss, at the cost of a disk flush per put.
+  bool durable = false;
+};
+
+class DiskTier final : public Tier {
+ public:
+  /// Creates `directory` if it does not exist.
+  /// \throws kvpack::Error kUnavailable when it cannot be created or is not a directory.
+  explicit DiskTier(std::filesystem::path directory, DiskTierOptions options = {})
+      : directory_(std::move(directory)), options_(options) {
+    std::error_code error;
+    std::filesystem::create_directories(directory_, error);
+    KVPACK_CHECK(std::filesystem::is_directory(directory_), kUnavailable,
+                 detail::message("DiskTier: '", directory_.string(), "' is not a usable directory",
+                                 error ? ": " + error.message() : std::string()));
+  }
+
+  [[nodiscard]] std::string describe() const override { return "disk " + directory_.string(); }
+
+  [[nodiscard]] std::filesystem::path path_of(std::string_view key) const {
+    return directory_ / (std::string(key) + ".kvtier");
+  }
+
+  void put(std::string_view key, std::span<const std::byte> bytes) override {
+    check_tier_key(key, "DiskTier::put");
+    const std::vector<std::byte> sealed = seal(key, bytes);
+    const std::filesystem::path target = path_of(key);
+    const std::filesystem::path temporary =
+        directory_ / detail::message(".", std::string(key), ".", ::getpid(), ".", next_temporary_++, ".tmp");
+    write_file(temporary, sealed);
+    if (::rename(temporary.c_str(), target.c_str()) != 0) {
+      const int error = errno;
+      ::unlink(temporary.c_str());
+      fail("rename to", target, error);
+    }
+    if (options_.durable) sync_directory();
+    std::lock_guard lock(mutex_);
+    ++stats_.puts;
+    stats_.bytes_written += bytes.size();
+  }
+
+  [[nodiscard]] std::optional<std::vector<std::byte>> get(std::string_view key) override {
+    check_tier_key(key, "DiskTier::get");
+    const std::filesystem::path path = path_of(key);
+    std::optional<std::vector<std::byte>> sealed = read_file(path);
+    std::optional<std::vector<std::byte>> payload;
+    if (sealed) {
+      const std::span<const std::byte> view = unseal(key, *sealed, "disk tier entry '" + path.string() + "'");
+      payload.emplace(view.begin(), view.end());
+    }
+    std::lock_guard lock(mutex_);
+    ++stats_.gets;
+    if (payload) {
+      ++stats_.hits;
+      stats_.bytes_read += payload->size();
+    }
+    return payload;
+  }
+
+  bool erase(std::string_view key) override {
+    check_tier_key(key, "DiskTier::erase");
+    const std::filesystem::path path = path_of(key);
+    if (::unlink(path.c_str()) == 0) return true;
+    if (errno == ENOENT) return false;
+    fail("remove", path, errno);
+  }
+
+  [[nodiscard]] TierStats stats() const override {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+
+ private:
+  [[noreturn]] static void fail(std::string_view action, const std::filesystem::path& path, int error) {
+    detail::throw_error(ErrorCode::kUnavailable, detail::message("DiskTier: cannot ", action, " '", path.string(),
+                                                                 "': ", std::strerror(error)));
+  }
+
+  void write_file(const std::filesystem::path& path, std::span<const std::byte> bytes) const {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) fail("create", path, errno);
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int error = n < 0 ? errno : EIO;
+        ::close(fd);
+        ::unlink(path.c_str());
+        fail("write", path, error);
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    const bool synced = !options_.durable || ::fsync(fd) == 0;
+    const int sync_error = errno;
+    if (::close(fd) != 0 || !synced) {
+      const int error = synced ? errno : sync_error;
+      ::unlink(path.c_str());
+      fail("finish writing", path, error);
+    }
+  }
+
+  /// The whole file, or nullopt when it does not exist.
+  static std::optional<std::vector<std::byte>> read_file(const std::filesystem::path& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT) return std::nullopt;
+      fail("open", path, errno);
+    }
+    struct stat info {};
+    if (::fstat(fd, &info) != 0) {
+      const int error = errno;
+      ::close(fd);
+      fail("stat", path, error);
+    }
+    std::vector<std::byte> bytes(static_cast<std::size_t>(info.st_size));
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int error = errno;
+        ::close(fd);
+        fail("read", path, error);
+      }
+      if (n == 0) break;  // shrank since fstat: unseal reports the short entry
+      done += static_cast<std::size_t>(n);
+    }
+    ::close(fd);
+    bytes.resize(done);
+    return bytes;
+  }
+
+  void sync_directory() const {
+    const int fd = ::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) fail("open", directory_, errno);
+    const bool synced = ::fsync(fd) == 0;
+    const int error = errno;
+    ::close(fd);
+    if (!synced) fail("sync", directory_, error);
+  }
+
+  std::filesystem::path directory_;
+  DiskTierOptions options_;
+  std::atomic<std::uint64_t> next_temporary_{0};
+  mutable std::mutex mutex_;
+  TierStats stats_;
+};
+
+}  // namespace kvpack::inline v0::tier

@@ -1,0 +1,155 @@
+// Bound-driven recall: with every token written through to a tier, a question about a token the
+// evictor dropped makes the certified bound fire, and attend_with_recall's output equals exact
+// attention over every token written (an fp32 cache: to float rounding); a cache that dropped
+// nothing never recalls; a tier that lost an entry is reported, not papered over.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kvpack/eval/exact_attention.hpp"
+#include "kvpack/kvpack.hpp"
+#include "kvpack/tier.hpp"
+#include "unit/io/thrown_error.hpp"
+
+using namespace kvpack;
+
+namespace {
+
+constexpr ModelShape kShape{1, 4, 2, 32};
+constexpr index_t kTokens = 500;  // not a multiple of the page size
+
+struct Prompt {
+  std::vector<float> keys, values;
+  std::vector<std::int64_t> positions;
+};
+
+Prompt random_prompt(std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  Prompt p;
+  p.keys.resize(static_cast<std::size_t>(kTokens) * kShape.kv_heads * kShape.head_dim);
+  p.values.resize(p.keys.size());
+  for (float& x : p.keys) x = normal(rng);
+  for (float& x : p.values) x = normal(rng);
+  for (index_t t = 0; t < kTokens; ++t) p.positions.push_back(t);
+  return p;
+}
+
+/// A question every query head of which points at token `target`'s key, strongly.
+std::vector<float> question_for(const Prompt& p, index_t target, float strength) {
+  const index_t d = kShape.head_dim, group = kShape.q_heads / kShape.kv_heads;
+  std::vector<float> q(static_cast<std::size_t>(kShape.q_heads) * d);
+  for (index_t h = 0; h < kShape.q_heads; ++h) {
+    const float* k = &p.keys[(static_cast<std::size_t>(target) * kShape.kv_heads + h / group) * d];
+    for (index_t c = 0; c < d; ++c) q[static_cast<std::size_t>(h) * d + c] = strength * k[c] / std::sqrt(float(d));
+  }
+  return q;
+}
+
+double largest_error(std::span<const float> out, const std::vector<double>& reference) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::fabs(out[i] - reference[i]));
+  return worst;
+}
+
+select::Quest summaries_only() {
+  select::Quest quest;
+  quest.dense_layers = std::numeric_limits<index_t>::max();
+  return quest;
+}
+
+}  // namespace
+
+TEST_CASE("a dropped token the question needs is recalled from the tier, exactly", "[tier][recall]") {
+  using Cache = KVCache<layout::GQA, quant::Float<float>, evict::StreamingLLM<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  Cache cache(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{64}}, summaries_only());
+  const Prompt p = random_prompt(3);
+  const SeqId seq = cache.add_sequence();
+  cache.prefill(seq, 0, std::span<const float>(p.keys), std::span<const float>(p.values));
+  REQUIRE(cache.live_tokens(seq, 0, 0) == 64);
+
+  tier::HostTier host(64 << 20);
+  tier::RecallStore store(host, "test-recall", 100);
+  store.write(seq, 0, kShape.kv_heads, kShape.head_dim, p.keys, p.values, p.positions);
+  CHECK(store.stats().bytes_written == 2 * 5 * (8 + 100 * 4 + 2 * 100 * 32 * 4));  // 2 streams x 5 chunks
+
+  const index_t dropped = 250;  // neither a sink nor recent: StreamingLLM dropped it
+  const std::vector<float> question = question_for(p, dropped, 4.0f);
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  const std::vector<double> exact =
+      eval::exact_attention(p.keys, p.values, kShape.kv_heads, kShape.head_dim, question, scale);
+
+  std::vector<float> without(question.size()), with(question.size());
+  cache.attend(seq, 0, std::span<const float>(question), std::span<float>(without), scale);
+  REQUIRE(largest_error(without, exact) > 0.1);  // the failure recall is for
+
+  AttendReport report;
+  report.epsilon = 0.01;
+  const index_t recalled = tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report);
+  CHECK(report.fired);
+  CHECK(recalled == kShape.kv_heads);
+  CHECK(largest_error(with, exact) < 1e-5);
+  const tier::RecallStats& stats = store.stats();
+  CHECK(stats.attends == 1);
+  CHECK(stats.recalls == 1);
+  CHECK(stats.streams_recalled == 2);
+  CHECK(stats.tokens_recalled == 2 * (kTokens - 64));
+  CHECK(stats.bytes_fetched == stats.bytes_written);
+
+  SECTION("a tier that lost an entry is reported") {
+    (void)host.erase("test-recall-s" + std::to_string(seq) + "-l0-h1-c2");
+    const auto error = test::thrown_error([&] { (void)tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnavailable);
+    CHECK_THAT(error->what(), Catch::Contains("no longer holds 'test-recall-s"));
+  }
+  SECTION("forget removes the sequence's entries") {
+    store.forget(seq);
+    CHECK(host.used_bytes() == 0);
+  }
+}
+
+TEST_CASE("a cache that dropped nothing never recalls", "[tier][recall]") {
+  using Cache = KVCache<layout::GQA, quant::Float<float>>;
+  Cache cache(kShape);
+  const Prompt p = random_prompt(4);
+  const SeqId seq = cache.add_sequence();
+  cache.prefill(seq, 0, std::span<const float>(p.keys), std::span<const float>(p.values));
+  tier::HostTier host(64 << 20);
+  tier::RecallStore store(host, "keep-all");
+  store.write(seq, 0, kShape.kv_heads, kShape.head_dim, p.keys, p.values, p.positions);
+  const std::vector<float> question = question_for(p, 250, 4.0f);
+  std::vector<float> with(question.size()), plain(question.size());
+  AttendReport report;
+  report.epsilon = 1e-9;
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  CHECK(tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report) == 0);
+  cache.attend(seq, 0, std::span<const float>(question), std::span<float>(plain), scale);
+  CHECK(with == plain);
+  CHECK_FALSE(report.fired);
+  CHECK(store.stats().recalls == 0);
+  CHECK(store.stats().bytes_fetched == 0);
+}
+
+TEST_CASE("RecallStore refuses writes that do not fit", "[tier][recall]") {
+  tier::HostTier host(1 << 20);
+  tier::RecallStore store(host, "checks");
+  const std::vector<float> rows(2 * 2 * 8);
+  const std::vector<std::int64_t> two{0, 1};
+  CHECK(test::thrown_error([&] { store.write(1, 0, 2, 8, rows, rows, std::vector<std::int64_t>{0}); }));
+  store.write(1, 0, 2, 8, rows, rows, two);
+  const auto backwards = test::thrown_error([&] { store.write(1, 0, 2, 8, rows, rows, two); });
+  REQUIRE(backwards);
+  CHECK_THAT(backwards->what(), Catch::Contains("positions must increase"));
+  CHECK(test::thrown_error([&] { store.write(1, 0, 4, 4, rows, rows, std::vector<std::int64_t>{5, 6}); }));
+  CHECK(test::thrown_error([&] { tier::RecallStore bad(host, "bad/name"); }));
+  const StoredTokens back = store.read(1, 0, 1);
+  CHECK(back.positions == std::vector<std::int32_t>{0, 1});
+  CHECK(back.keys.size() == 16);
+}
