@@ -6,7 +6,7 @@
 #      targets of tests/fuzz/, each from its seed corpus tests/fuzz/corpus/<name> (new inputs go
 #      to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), in two chains,
 #      one per core. First: the kernels module, fuzz_cache_ops (random operation sequences
-#      against the reference model) for KVPACK_FUZZ_SECONDS (default 40), fuzz_prefix_ops
+#      against the reference model) for KVPACK_FUZZ_SECONDS (default 32), fuzz_prefix_ops
 #      (prefix sharing against a twin without it). Second: the other modules, fuzz_kv_dump (the K/V dump loader)
 #      for 10^6 runs (KVPACK_FUZZ_RUNS), fuzz_config (configs and shapes), fuzz_codec_spans (K/V
 #      bit patterns through every codec), fuzz_page_file (any bytes through the page-file reader)
@@ -82,7 +82,7 @@ if [[ "$which_builds" != tsan ]]; then
       "build-asan/fuzz-$name.log" | sed "s/^/fuzz_$name: /"
     echo "run_sanitizers: fuzz_$name passed in $((SECONDS - start)) s"
   }
-  seconds="${KVPACK_FUZZ_SECONDS:-40}"
+  seconds="${KVPACK_FUZZ_SECONDS:-32}"
   # Two chains of about three minutes, one per core: the kernels module (~110 s) and two fuzzers;
   # the other modules (~55 s) and five fuzzers.
   { run_modules kernels && fuzz cache_ops -max_total_time="$seconds" &&
