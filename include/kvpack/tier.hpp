@@ -8,6 +8,7 @@
 #include "kvpack/tier/disk_tier.hpp"
 #include "kvpack/tier/fetch_planner.hpp"
 #include "kvpack/tier/host_tier.hpp"
+#include "kvpack/tier/prefix_chunks.hpp"
 #include "kvpack/tier/recall.hpp"
 #include "kvpack/tier/sealed_entry.hpp"
 #include "kvpack/tier/sequence_store.hpp"

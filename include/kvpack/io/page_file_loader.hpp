@@ -15,6 +15,9 @@
 /// it encodes (a load would calibrate them from decoded values and could not take them back on
 /// a mismatch); caches whose pages the file cannot fill exactly (a full-precision tail or exact
 /// prefix, an evictor, prefix sharing). Token ids in the file are not attached to the sequence.
+///
+/// append_page_file puts a chunk (PageFileOptions::first_page) after the pages a sequence holds,
+/// in a fork of it, so that a chunk that fails leaves the sequence as it was.
 
 #include <algorithm>
 #include <cmath>
@@ -83,8 +86,8 @@ void check_compatible(const Cache& cache, const PageFileHeader& h) {
 }
 
 /// Decodes cache layer `c` of the file into token-major rows [tokens][streams][dim] and writes
-/// them to model layer `writer` of `seq`: one prefill when positions run 0, 1, 2, ..., otherwise
-/// one append per token at its recorded position.
+/// them to model layer `writer` of `seq`: one prefill when positions continue the sequence's
+/// (0, 1, 2, ... for a new one), otherwise one append per token at its recorded position.
 template <class Cache>
 void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, index_t writer) {
   using Quantizer = typename Cache::quantizer_type;
@@ -131,8 +134,11 @@ void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, in
       }
     }
   }
+  const std::int64_t first = cache.last_position(seq, writer) + 1;
   bool consecutive = true;
-  for (std::size_t i = 0; i < tokens && consecutive; ++i) consecutive = positions[i] == static_cast<std::int32_t>(i);
+  for (std::size_t i = 0; i < tokens && consecutive; ++i) {
+    consecutive = positions[i] == first + static_cast<std::int64_t>(i);
+  }
   if (tokens == 0) return;
   if (consecutive) {
     cache.prefill(seq, writer, std::span<const float>(keys), std::span<const float>(values));
@@ -144,22 +150,31 @@ void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, in
   }
 }
 
-/// Whether cache layer `c` of `seq` holds exactly the file's pages, slot records and parameters.
+/// Whether cache layer `c` of `seq`, past its first `pages_before` pages, holds exactly the
+/// file's pages, slot records and parameters.
 template <class Cache>
-void check_identical(const Cache& cache, SeqId seq, const PageFileView& file, index_t c, index_t writer) {
+void check_identical(const Cache& cache, SeqId seq, const PageFileView& file, index_t c, index_t writer,
+                     std::size_t pages_before) {
   using Quantizer = typename Cache::quantizer_type;
   const PageFileHeader& h = file.header();
   for (index_t s = 0; s < h.streams; ++s) {
-    const std::span<const PageId> ids = cache.pages(seq, writer, s);
-    KVPACK_CHECK(ids.size() == file.page_count(c, s), kUnsupported,
-                 detail::message("load_page_file: layer ", writer, " stream ", s, " holds ", ids.size(),
-                                 " pages after loading, the file ", file.page_count(c, s)));
+    const std::span<const PageId> all = cache.pages(seq, writer, s);
+    KVPACK_CHECK(all.size() == pages_before + file.page_count(c, s), kUnsupported,
+                 detail::message("load_page_file: layer ", writer, " stream ", s, " holds ", all.size(),
+                                 " pages after loading, ", pages_before, " before and ", file.page_count(c, s),
+                                 " in the file"));
+    const std::span<const PageId> ids = all.subspan(pages_before);
     KVPACK_CHECK(read_codec_params<Quantizer>(file, c, s) == cache.codec_params(writer, s), kUnsupported,
                  detail::message("load_page_file: layer ", writer, " stream ", s,
                                  " has other codec parameters than the file's"));
     for (std::uint32_t p = 0; p < ids.size(); ++p) {
+      // The planes, not the padding between and after them (the writer zeroes it in the file;
+      // the pool leaves whatever a recycled slab held).
+      const std::byte* stored = file.payload(c, s, p).data();
+      const std::byte* held = cache.pool().payload(ids[p]);
       const bool same_payload =
-          std::memcmp(file.payload(c, s, p).data(), cache.pool().payload(ids[p]), h.payload_bytes) == 0;
+          std::memcmp(stored, held, h.key_plane_bytes) == 0 &&
+          std::memcmp(stored + h.value_plane_offset, held + h.value_plane_offset, h.value_plane_bytes) == 0;
       const bool same_slots = std::memcmp(file.slots(c, s, p).data(), cache.pool().metadata(ids[p]),
                                           h.slot_bytes) == 0;
       KVPACK_CHECK(same_payload && same_slots, kUnsupported,
@@ -169,6 +184,26 @@ void check_identical(const Cache& cache, SeqId seq, const PageFileView& file, in
                                    " (this codec's encoder is not exact on its own decoded output here)"));
     }
   }
+}
+
+/// Loads `file` into `seq` (new, or a fork made for the load) and returns it; releases it if
+/// anything fails.
+template <class Cache>
+SeqId load_into(Cache& cache, SeqId seq, const PageFileView& file) {
+  const PageFileHeader& h = file.header();
+  const typename Cache::layout_type layout{};
+  try {
+    for (index_t c = 0; c < h.cache_layers; ++c) {
+      const index_t writer = layout::writer_of(layout, h.shape, c);
+      const std::size_t pages_before = cache.pages(seq, writer, 0).size();
+      load_layer(cache, seq, file, c, writer);
+      check_identical(cache, seq, file, c, writer, pages_before);
+    }
+  } catch (...) {
+    cache.release(seq);
+    throw;
+  }
+  return seq;
 }
 
 }  // namespace loader_detail
@@ -186,21 +221,20 @@ void check_identical(const Cache& cache, SeqId seq, const PageFileView& file, in
 ///         kvpack::OutOfPages when the pool cannot hold the pages.
 template <class Cache>
 SeqId load_page_file(Cache& cache, const PageFileView& file) {
-  const PageFileHeader& h = file.header();
-  loader_detail::check_compatible(cache, h);
-  const typename Cache::layout_type layout{};
-  const SeqId seq = cache.add_sequence();
-  try {
-    for (index_t c = 0; c < h.cache_layers; ++c) {
-      const index_t writer = layout::writer_of(layout, h.shape, c);
-      loader_detail::load_layer(cache, seq, file, c, writer);
-      loader_detail::check_identical(cache, seq, file, c, writer);
-    }
-  } catch (...) {
-    cache.release(seq);
-    throw;
-  }
-  return seq;
+  loader_detail::check_compatible(cache, file.header());
+  return loader_detail::load_into(cache, cache.add_sequence(), file);
+}
+
+/// A new sequence: `seq`'s tokens followed by the chunk in `file` (written with
+/// PageFileOptions::first_page = the pages `seq` holds per stream), every page checked as
+/// load_page_file checks it. `seq` itself is left as it was (the new sequence starts as its
+/// fork: its pages are shared, not copied); release it if it is no longer needed.
+/// 	hrows kvpack::Error as load_page_file, leaving the cache as it was; kInvalidArgument
+///         (from the cache) when the chunk's positions do not come after `seq`'s.
+template <class Cache>
+SeqId append_page_file(Cache& cache, SeqId seq, const PageFileView& file) {
+  loader_detail::check_compatible(cache, file.header());
+  return loader_detail::load_into(cache, cache.fork(seq), file);
 }
 
 }  // namespace kvpack::inline v0::io

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,7 +26,11 @@ namespace kvpack::inline v0::io {
 /// What the cache does not know about a sequence.
 struct PageFileOptions {
   std::string model_id;                  ///< free text, at most 256 bytes
-  std::span<const std::int32_t> tokens;  ///< the sequence's token ids, optional
+  std::span<const std::int32_t> tokens;  ///< the token ids of the pages written, optional
+  /// A chunk of the sequence: pages [first_page, first_page + page_count) of every stream
+  /// (page_count 0: to the end). io::append_page_file puts such a chunk after the pages before it.
+  std::size_t first_page = 0;
+  std::size_t page_count = 0;
 };
 
 namespace writer_detail {
@@ -74,7 +79,7 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
   h.slot_bytes = static_cast<std::uint64_t>(h.page_size) * 4 + h.live_mask_words() * 8;
   KVPACK_CHECK(cache.page_format_info().metadata_bytes >= h.slot_bytes, kInvalidArgument,
                "write_page_file: the pool's metadata is smaller than positions and live mask");
-  h.sequence_tokens = static_cast<std::uint64_t>(cache.length(seq, 0));
+  std::size_t chunk_pages = 0;  // pages per stream written: the same in every stream
   for (index_t c = 0; c < h.cache_layers; ++c) {
     const index_t writer = layout::writer_of(layout, shape, c);
     const std::int64_t tokens = cache.length(seq, writer);
@@ -86,9 +91,15 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
                                    " of them in pages; page files carry whole pages only (no tail, exact prefix "
                                    "or evicted pages: use tail_tokens = 0, exact_prefix_tokens = 0, a length "
                                    "that is a multiple of page_size and no evictor)"));
-      h.page_counts.push_back(static_cast<std::uint32_t>(pages));
+      KVPACK_CHECK(options.first_page <= pages && options.page_count <= pages - options.first_page, kInvalidArgument,
+                   detail::message("write_page_file: pages [", options.first_page, ", ",
+                                   options.first_page + options.page_count, ") asked of layer ", writer, " stream ", s,
+                                   ", which holds ", pages));
+      chunk_pages = options.page_count > 0 ? options.page_count : pages - options.first_page;
+      h.page_counts.push_back(static_cast<std::uint32_t>(chunk_pages));
     }
   }
+  h.sequence_tokens = static_cast<std::uint64_t>(chunk_pages) * static_cast<std::uint64_t>(h.page_size);
   return h;
 }
 
@@ -161,7 +172,8 @@ template <class Cache>
     const auto for_each_page = [&](auto&& visit) {
       for (index_t c = 0; c < h.cache_layers; ++c) {
         for (index_t s = 0; s < h.streams; ++s) {
-          for (const PageId id : cache.pages(seq, writer_of(c), s)) visit(id);
+          const std::size_t count = h.page_counts[static_cast<std::size_t>(c) * h.streams + s];
+          for (const PageId id : cache.pages(seq, writer_of(c), s).subspan(options.first_page, count)) visit(id);
         }
       }
     };
@@ -172,7 +184,16 @@ template <class Cache>
     });
     file.end_section();
     file.begin_section(SectionTag::kPages);
-    for_each_page([&](PageId id) { ByteSink(file.body()).put_bytes(std::span(cache.pool().payload(id), h.payload_bytes)); });
+    // The planes only: the gaps around them are padding the codecs never write, which holds
+    // whatever a recycled slab held before (zeros in the file, so equal pages give equal files).
+    for_each_page([&](PageId id) {
+      const std::byte* payload = cache.pool().payload(id);
+      std::vector<std::byte>& body = file.body();
+      const std::size_t start = body.size();
+      body.resize(start + h.payload_bytes);  // zero-filled
+      std::memcpy(body.data() + start, payload, h.key_plane_bytes);
+      std::memcpy(body.data() + start + h.value_plane_offset, payload + h.value_plane_offset, h.value_plane_bytes);
+    });
     file.end_section();
     return std::move(file).finish();
   }

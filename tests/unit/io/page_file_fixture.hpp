@@ -3,9 +3,11 @@
 // page_size), the input page files are written from in the io tests.
 
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <vector>
 
+#include "kvpack/io/page_file_format.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/random_kv.hpp"
 
@@ -32,6 +34,13 @@ SeqId fill_sequence(Cache& cache, std::uint32_t seed = 7) {
     cache.prefill(seq, writer, std::span<const float>(keys), std::span<const float>(values));
   }
   return seq;
+}
+
+/// Whether two payloads of a page file's format hold the same key and value planes (the
+/// padding around them is not page data: the pool leaves it as a recycled slab held it).
+inline bool same_planes(const io::PageFileHeader& h, const std::byte* a, const std::byte* b) {
+  return std::memcmp(a, b, h.key_plane_bytes) == 0 &&
+         std::memcmp(a + h.value_plane_offset, b + h.value_plane_offset, h.value_plane_bytes) == 0;
 }
 
 /// The token ids a test hands the writer.

@@ -61,7 +61,7 @@ void check_round_trip(const Cache& cache, SeqId seq, const io::PageFileView& fil
       for (std::uint32_t p = 0; p < ids.size(); ++p) {
         const std::span<const std::byte> payload = file.payload(c, s, p);
         REQUIRE(payload.size() == h.payload_bytes);
-        CHECK(std::memcmp(payload.data(), cache.pool().payload(ids[p]), payload.size()) == 0);
+        CHECK(test::same_planes(h, payload.data(), cache.pool().payload(ids[p])));
         io::decode_page<Q>(file, c, s, p, keys.data(), values.data());
         const std::size_t first = static_cast<std::size_t>(p) * page_size;
         for (index_t t = 0; t < page_size; ++t) {
@@ -325,7 +325,7 @@ TEST_CASE("page files record keys stored before RoPE", "[io][page_file]") {
   CHECK(file.header().rope_pairing == static_cast<std::uint32_t>(RopePairing::kHalfSplit));
   CHECK(file.header().rope_max_position == 4096);
   const std::span<const PageId> ids = cache.pages(seq, 2, 1);
-  CHECK(std::memcmp(file.payload(2, 1, 0).data(), cache.pool().payload(ids[0]), file.header().payload_bytes) == 0);
+  CHECK(test::same_planes(file.header(), file.payload(2, 1, 0).data(), cache.pool().payload(ids[0])));
 
   KVCache<layout::GQA, quant::Float<half>> plain(test::kPageFileShape);
   const std::vector<std::byte> plain_bytes = io::write_page_file(plain, test::fill_sequence(plain));

@@ -154,3 +154,32 @@ TEST_CASE("a RedisTier with no server answers kUnavailable, and bad options are 
   options.timeout_ms = 0;
   CHECK(test::thrown_error([&] { RedisTier bad(options); }));
 }
+
+TEST_CASE("a prefix one process stored in Redis is found by another and loaded, not recomputed", "[tier][redis]") {
+  test::RedisServer server;
+  using Cache = KVCache<layout::GQA, quant::Q8_0>;
+  // "Process" A: its own connection and cache; it stores its prompt's chunks.
+  RedisTier writer_connection(options_for(server, "shared:"));
+  Cache writer_cache(test::kPageFileShape, CacheConfig{});
+  const SeqId seq = test::fill_sequence(writer_cache);  // 3 pages of 32 per stream
+  const std::vector<std::int32_t> tokens = test::token_ids(test::page_file_tokens(writer_cache.config()));
+  CHECK(tier::store_chunks(writer_connection, writer_cache, seq, tokens, "redis-test-model", 32) == 3);
+
+  // "Process" B: another connection and cache, a longer prompt with the same start.
+  RedisTier reader_connection(options_for(server, "shared:"));
+  Cache reader_cache(test::kPageFileShape, CacheConfig{});
+  std::vector<std::int32_t> longer = tokens;
+  longer.insert(longer.end(), {1, 2, 3, 4, 5});
+  const tier::PrefixFetch found = tier::fetch_prefix(reader_connection, reader_cache, longer, "redis-test-model", 32);
+  CHECK(found.chunks == 3);
+  CHECK(found.tokens == 96);
+  CHECK(io::write_page_file(reader_cache, found.seq, {"redis-test-model", {}}) ==
+        io::write_page_file(writer_cache, seq, {"redis-test-model", {}}));
+
+  server.kill();  // the next lookup finds nothing, says why, and leaves an empty sequence
+  Cache late(test::kPageFileShape, CacheConfig{});
+  const tier::PrefixFetch after = tier::fetch_prefix(reader_connection, late, longer, "redis-test-model", 32);
+  CHECK(after.tokens == 0);
+  CHECK_THAT(after.stopped_because, Catch::Contains("redis 127.0.0.1"));
+  CHECK(late.memory().pages_in_use == 0);
+}

@@ -1,0 +1,136 @@
+#pragma once
+/// \file prefix_chunks.hpp
+/// \brief Prompt prefixes in a tier, found by another cache or process: a sequence is stored as
+///        chunks of `chunk_tokens` tokens (whole pages), each under a key that names every token
+///        up to its end, and a lookup loads chunks 0, 1, 2, ... until one is missing, damaged or
+///        unreadable: the longest cached prefix of the prompt, at chunk granularity. The caller
+///        prefills the rest. (LMCache's chunk-hash scheme; the in-memory prefix index finds
+///        prefixes at page granularity.)
+///
+/// Each chunk is a page file of its pages (io::PageFileOptions::first_page) with its token ids;
+/// io::append_page_file loads it after the chunks before it, checking every byte, so a chunk
+/// that does not belong (a key collision, another codec) stops the lookup, never corrupts it.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvpack/core/types.hpp"
+#include "kvpack/error.hpp"
+#include "kvpack/io/page_file.hpp"
+#include "kvpack/paging/fingerprint.hpp"
+#include "kvpack/tier/tier.hpp"
+
+namespace kvpack::inline v0::tier {
+
+namespace chunk_detail {
+
+template <class Cache>
+void check_chunk_tokens(const Cache& cache, index_t chunk_tokens, std::string_view who) {
+  const index_t page = cache.config().page_size;
+  KVPACK_CHECK(chunk_tokens > 0 && chunk_tokens % page == 0, kInvalidArgument,
+               detail::message(who, ": chunk_tokens (", chunk_tokens, ") must be a positive multiple of the page size (",
+                               page, ")"));
+}
+
+}  // namespace chunk_detail
+
+/// The keys of the whole chunks of `tokens`: key c ("kvpack-chunk-" and 32 hex digits) is two
+/// independent fingerprints of the model id, salt, layout, shape, page size, quantizer, chunk
+/// size and every token up to the end of chunk c, so equal keys mean equal prefixes (up to
+/// fingerprint collisions, which the loader's checks turn into a shorter hit).
+template <class Cache>
+[[nodiscard]] std::vector<std::string> chunk_keys(const Cache& cache, std::span<const std::int32_t> tokens,
+                                                  std::string_view model_id, index_t chunk_tokens,
+                                                  std::string_view salt = {}) {
+  chunk_detail::check_chunk_tokens(cache, chunk_tokens, "chunk_keys");
+  paging::Fingerprint chains[2] = {paging::Fingerprint(11), paging::Fingerprint(12)};
+  for (paging::Fingerprint& f : chains) {
+    const ModelShape& shape = cache.shape();
+    f.add(model_id).add(salt).add(std::string_view(Cache::layout_type::kName));
+    f.add(shape.layers).add(shape.q_heads).add(shape.kv_heads).add(shape.head_dim).add(cache.config().page_size);
+    f.add(std::string_view(Cache::quantizer_type::name())).add(chunk_tokens);
+  }
+  std::vector<std::string> keys;
+  const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
+  for (std::size_t end = chunk; end <= tokens.size(); end += chunk) {
+    char text[48];
+    for (paging::Fingerprint& f : chains) f.add(tokens.subspan(end - chunk, chunk));
+    std::snprintf(text, sizeof text, "kvpack-chunk-%016llx%016llx", static_cast<unsigned long long>(chains[0].value()),
+                  static_cast<unsigned long long>(chains[1].value()));
+    keys.emplace_back(text);
+  }
+  return keys;
+}
+
+/// Stores every whole chunk of sequence `seq` (its first tokens.size() tokens, whole chunks only)
+/// in `tier`. \returns the chunks written. \throws as io::write_page_file and Tier::put.
+template <class Cache>
+std::size_t store_chunks(Tier& tier, const Cache& cache, SeqId seq, std::span<const std::int32_t> tokens,
+                         std::string_view model_id, index_t chunk_tokens, std::string_view salt = {}) {
+  const std::vector<std::string> keys = chunk_keys(cache, tokens, model_id, chunk_tokens, salt);
+  const std::size_t pages_per_chunk = static_cast<std::size_t>(chunk_tokens / cache.config().page_size);
+  const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
+  for (std::size_t c = 0; c < keys.size(); ++c) {
+    io::PageFileOptions options{std::string(model_id), tokens.subspan(c * chunk, chunk), c * pages_per_chunk,
+                                pages_per_chunk};
+    tier.put(keys[c], io::write_page_file(cache, seq, options));
+  }
+  return keys.size();
+}
+
+/// What fetch_prefix found.
+struct PrefixFetch {
+  SeqId seq{};                  ///< a new sequence holding the loaded prefix (maybe no token)
+  index_t tokens = 0;           ///< tokens loaded: a multiple of chunk_tokens
+  std::size_t chunks = 0;
+  std::uint64_t bytes = 0;      ///< entry bytes read
+  std::string stopped_because;  ///< why the next chunk was not loaded (empty: the prompt's whole chunks all were)
+};
+
+/// A new sequence in `cache` holding the longest prefix of `tokens` whose chunks are all in
+/// `tier`. A chunk that is missing, cannot be read (kUnavailable), is damaged or does not fit
+/// ends the prefix there, and `stopped_because` says which; only OutOfPages reaches the caller.
+template <class Cache>
+[[nodiscard]] PrefixFetch fetch_prefix(Tier& tier, Cache& cache, std::span<const std::int32_t> tokens,
+                                       std::string_view model_id, index_t chunk_tokens, std::string_view salt = {}) {
+  const std::vector<std::string> keys = chunk_keys(cache, tokens, model_id, chunk_tokens, salt);
+  PrefixFetch result;
+  result.seq = cache.add_sequence();
+  const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
+  for (std::size_t c = 0; c < keys.size(); ++c) {
+    try {
+      const std::optional<std::vector<std::byte>> entry = tier.get(keys[c]);
+      if (!entry) {
+        result.stopped_because = detail::message("chunk ", c, " ('", keys[c], "') is not in ", tier.describe());
+        return result;
+      }
+      const std::string what = tier.describe() + " chunk '" + keys[c] + "'";
+      const io::PageFileView view = io::PageFileView::parse(*entry, what);
+      const std::span<const std::int32_t> expected = tokens.subspan(c * chunk, chunk);
+      KVPACK_CHECK(std::equal(view.tokens().begin(), view.tokens().end(), expected.begin(), expected.end()),
+                   kInvalidArgument, detail::message(what, " holds other tokens"));
+      const SeqId longer = io::append_page_file(cache, result.seq, view);
+      cache.release(result.seq);
+      result.seq = longer;
+      result.tokens += chunk_tokens;
+      ++result.chunks;
+      result.bytes += entry->size();
+    } catch (const Error& error) {
+      if (error.code() == ErrorCode::kOutOfPages) {
+        cache.release(result.seq);
+        throw;
+      }
+      result.stopped_because = error.what();
+      return result;
+    }
+  }
+  return result;
+}
+
+}  // namespace kvpack::inline v0::tier

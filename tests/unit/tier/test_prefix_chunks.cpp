@@ -1,0 +1,132 @@
+// Prompt prefixes in a tier: a sequence stored as chunks is found by another cache up to the
+// longest prefix of a new prompt whose chunks are all there, byte for byte; a prompt that
+// diverges, a missing or damaged chunk, a tier that is down or another model's keys end the
+// prefix there, say why, and leave nothing behind.
+
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+#include "kvpack/kvpack.hpp"
+#include "kvpack/tier.hpp"
+#include "support/random_kv.hpp"
+#include "unit/io/thrown_error.hpp"
+#include "unit/tier/tier_fixture.hpp"
+
+using namespace kvpack;
+using Cache = KVCache<layout::GQA, quant::Q8_0>;
+
+namespace {
+
+constexpr ModelShape kShape{2, 4, 2, 32};
+constexpr index_t kChunk = 32;  // two pages of 16
+constexpr const char* kModel = "chunk-test-model";
+
+CacheConfig pages_of_16() {
+  CacheConfig config;
+  config.page_size = 16;
+  return config;
+}
+
+/// A sequence of `tokens` random tokens (the same for the same seed) in every layer.
+SeqId filled(Cache& cache, index_t tokens, std::uint32_t seed) {
+  const SeqId seq = cache.add_sequence();
+  for (index_t layer = 0; layer < kShape.layers; ++layer) {
+    const std::size_t rows = static_cast<std::size_t>(tokens) * kShape.kv_heads;
+    const std::vector<float> keys = test::random_rows(rows, kShape.head_dim, seed + 2 * layer);
+    const std::vector<float> values = test::random_rows(rows, kShape.head_dim, seed + 2 * layer + 1);
+    cache.prefill(seq, layer, std::span<const float>(keys), std::span<const float>(values));
+  }
+  return seq;
+}
+
+std::vector<std::int32_t> prompt(index_t tokens) {
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(tokens));
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>(7 + 3 * i);
+  return ids;
+}
+
+/// The pages `target` holds for `loaded` equal the first `tokens` tokens of a source filled the same way.
+void check_prefix(const Cache& target, const tier::PrefixFetch& loaded, index_t tokens) {
+  REQUIRE(loaded.tokens == tokens);
+  CHECK(target.sequence_count() == 1);
+  if (tokens == 0) {
+    CHECK(target.memory().pages_in_use == 0);
+    return;
+  }
+  Cache reference(kShape, pages_of_16());
+  const SeqId seq = filled(reference, tokens, 5);
+  CHECK(io::write_page_file(target, loaded.seq, {kModel, {}}) == io::write_page_file(reference, seq, {kModel, {}}));
+  CHECK(target.memory().pages_in_use == reference.memory().pages_in_use);
+}
+
+}  // namespace
+
+TEST_CASE("a prefix stored as chunks is found again up to where the prompt or the tier stops", "[tier][prefix]") {
+  Cache source(kShape, pages_of_16());
+  const std::vector<std::int32_t> ids = prompt(5 * kChunk + 10);  // 5 whole chunks and 10 tokens more
+  const SeqId seq = filled(source, 5 * kChunk, 5);
+  tier::HostTier host(64 << 20);
+  CHECK(tier::store_chunks(host, source, seq, std::span(ids).first(5 * kChunk), kModel, kChunk) == 5);
+  const std::vector<std::string> keys = tier::chunk_keys(source, ids, kModel, kChunk);
+  REQUIRE(keys.size() == 5);
+
+  Cache target(kShape, pages_of_16());
+  SECTION("every chunk of a longer prompt") {
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, kModel, kChunk);
+    CHECK(loaded.chunks == 5);
+    CHECK(loaded.stopped_because.empty());
+    check_prefix(target, loaded, 5 * kChunk);
+  }
+  SECTION("a prompt that diverges in chunk 2") {
+    std::vector<std::int32_t> other = ids;
+    other[2 * kChunk + 5] = -3;
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, other, kModel, kChunk);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("chunk 2") && Catch::Contains("is not in host"));
+    check_prefix(target, loaded, 2 * kChunk);
+  }
+  SECTION("chunk 3 gone from the tier") {
+    REQUIRE(host.erase(keys[3]));
+    check_prefix(target, tier::fetch_prefix(host, target, ids, kModel, kChunk), 3 * kChunk);
+  }
+  SECTION("chunk 1 damaged") {
+    host.put(keys[1], test::pattern_bytes(500, 1));
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, kModel, kChunk);
+    CHECK_FALSE(loaded.stopped_because.empty());
+    check_prefix(target, loaded, kChunk);
+  }
+  SECTION("chunk 1 holding another chunk's pages") {
+    host.put(keys[1], *host.get(keys[2]));
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, kModel, kChunk);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("holds other tokens"));
+    check_prefix(target, loaded, kChunk);
+  }
+  SECTION("a tier that is down") {
+    test::DownTier down;
+    const tier::PrefixFetch loaded = tier::fetch_prefix(down, target, ids, kModel, kChunk);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("connection refused"));
+    check_prefix(target, loaded, 0);
+  }
+  SECTION("another model or salt shares nothing") {
+    check_prefix(target, tier::fetch_prefix(host, target, ids, "another-model", kChunk), 0);
+    Cache other(kShape, pages_of_16());
+    check_prefix(other, tier::fetch_prefix(host, other, ids, kModel, kChunk, "tenant-2"), 0);
+  }
+}
+
+TEST_CASE("chunk keys chain every token before them and need whole pages", "[tier][prefix]") {
+  const Cache cache(kShape, pages_of_16());
+  const std::vector<std::int32_t> ids = prompt(3 * kChunk);
+  const std::vector<std::string> keys = tier::chunk_keys(cache, ids, kModel, kChunk);
+  REQUIRE(keys.size() == 3);
+  for (const std::string& key : keys) CHECK(tier::tier_key_problem(key).empty());
+  std::vector<std::int32_t> changed = ids;
+  changed[0] = 1000;  // the first token changes every key after it
+  const std::vector<std::string> other = tier::chunk_keys(cache, changed, kModel, kChunk);
+  for (std::size_t c = 0; c < 3; ++c) CHECK(other[c] != keys[c]);
+  CHECK(tier::chunk_keys(cache, std::span(ids).first(2 * kChunk + 5), kModel, kChunk).size() == 2);
+  const auto error = test::thrown_error([&] { (void)tier::chunk_keys(cache, ids, kModel, 24); });
+  REQUIRE(error);
+  CHECK(error->code() == ErrorCode::kInvalidArgument);
+  CHECK_THAT(error->what(), Catch::Contains("multiple of the page size (16)"));
+}
