@@ -22,6 +22,7 @@
 #include "kvpack/kvpack.hpp"
 #include "kvpack/tier.hpp"
 #ifdef KVPACK_BENCH_HAS_REDIS
+#include "kvpack/tier/redis_tier.hpp"
 #include "support/redis_server.hpp"
 #endif
 

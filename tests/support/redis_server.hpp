@@ -4,6 +4,7 @@
 // port at will, killed when the object goes away.
 
 #include <fcntl.h>
+#include <hiredis/hiredis.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -16,8 +17,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include "kvpack/tier/redis_tier.hpp"
 
 extern char** environ;
 
@@ -67,31 +66,53 @@ class RedisServer {
     argv.push_back(nullptr);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
+    // Neither output goes to the test's: a test that dies would otherwise leave the server
+    // holding its pipes, and whoever reads them (ctest) waiting.
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
     pid_t pid = -1;
     const int spawned = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
     if (spawned != 0) return false;
     pid_ = pid;
-    // Up to 5 s for it to answer; a server that exited (port taken) fails at once.
-    tier::RedisTier probe(tier::RedisTierOptions{.port = port_, .timeout_ms = 200});
+    // Up to 5 s for it to answer; a server that exited (port taken) fails at once. The one
+    // that answers must be ours: another test's server may hold the port.
     for (int attempt = 0; attempt < 100; ++attempt) {
       if (::waitpid(pid_, nullptr, WNOHANG) == pid_) {
         pid_ = -1;
         return false;
       }
-      try {
-        (void)probe.get("kvpack-probe");
-        return true;
-      } catch (const Error&) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (const std::optional<long> answering = server_pid()) {
+        if (*answering == pid_) return true;
+        kill();
+        return false;
       }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     kill();
     return false;
   }
 
  private:
+  /// The process id of the server answering on the port (INFO server), if one answers.
+  [[nodiscard]] std::optional<long> server_pid() const {
+    const timeval timeout{0, 200000};
+    redisContext* context = redisConnectWithTimeout("127.0.0.1", port_, timeout);
+    std::optional<long> pid;
+    if (context != nullptr && context->err == 0) {
+      if (auto* reply = static_cast<redisReply*>(redisCommand(context, "INFO server"))) {
+        if (reply->type == REDIS_REPLY_STRING) {
+          const std::string info(reply->str, reply->len);
+          const std::size_t at = info.find("process_id:");
+          if (at != std::string::npos) pid = std::strtol(info.c_str() + at + 11, nullptr, 10);
+        }
+        freeReplyObject(reply);
+      }
+    }
+    if (context != nullptr) redisFree(context);
+    return pid;
+  }
+
   int port_ = 0;
   pid_t pid_ = -1;
 };

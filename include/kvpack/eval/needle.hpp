@@ -49,7 +49,8 @@ struct NeedleSpec {
   /// (tier::RecallStore), and the question goes through tier::attend_with_recall: when the
   /// certified bound fires (at detector_epsilon), the dropped tokens are fetched back and the
   /// fired streams' heads attend over everything. Only caches that certify what they did not
-  /// read can recall; the others run as without it.
+  /// read can recall; the others run as without it. The detector's output is then used, not
+  /// measured: cells count `fired` (recall ran) but no hits, misses or false alarms.
   bool recall_from_tier = false;
 
   /// The unread mass above which the detector (KVCache's AttendReport) is said to fire for the
@@ -483,6 +484,7 @@ class NeedleSuite {
         const bool fired = report.heads[static_cast<std::size_t>(qh)].fired(report.epsilon);
         ++cell.detector_trials;
         cell.fired += fired ? 1 : 0;
+        if (store) continue;  // recall acted on the fire: a recalled head is no false alarm
         cell.hits += !recalled && fired ? 1 : 0;
         cell.misses += !recalled && !fired ? 1 : 0;
         cell.false_alarms += recalled && fired ? 1 : 0;

@@ -229,7 +229,7 @@ SeqId load_page_file(Cache& cache, const PageFileView& file) {
 /// PageFileOptions::first_page = the pages `seq` holds per stream), every page checked as
 /// load_page_file checks it. `seq` itself is left as it was (the new sequence starts as its
 /// fork: its pages are shared, not copied); release it if it is no longer needed.
-/// 	hrows kvpack::Error as load_page_file, leaving the cache as it was; kInvalidArgument
+/// \throws kvpack::Error as load_page_file, leaving the cache as it was; kInvalidArgument
 ///         (from the cache) when the chunk's positions do not come after `seq`'s.
 template <class Cache>
 SeqId append_page_file(Cache& cache, SeqId seq, const PageFileView& file) {

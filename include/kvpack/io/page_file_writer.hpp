@@ -26,7 +26,9 @@ namespace kvpack::inline v0::io {
 /// What the cache does not know about a sequence.
 struct PageFileOptions {
   std::string model_id;                  ///< free text, at most 256 bytes
-  std::span<const std::int32_t> tokens;  ///< the token ids of the pages written, optional
+  /// Token ids, optional: the sequence's; for a chunk, whatever the caller needs to recognise it
+  /// (tier::store_chunks stores every token up to the chunk's end).
+  std::span<const std::int32_t> tokens;
   /// A chunk of the sequence: pages [first_page, first_page + page_count) of every stream
   /// (page_count 0: to the end). io::append_page_file puts such a chunk after the pages before it.
   std::size_t first_page = 0;

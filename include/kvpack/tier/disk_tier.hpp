@@ -46,7 +46,8 @@ class DiskTier final : public Tier {
       : directory_(std::move(directory)), options_(options) {
     std::error_code error;
     std::filesystem::create_directories(directory_, error);
-    KVPACK_CHECK(std::filesystem::is_directory(directory_), kUnavailable,
+    std::error_code ignored;  // a directory that cannot even be examined is not usable either
+    KVPACK_CHECK(std::filesystem::is_directory(directory_, ignored), kUnavailable,
                  detail::message("DiskTier: '", directory_.string(), "' is not a usable directory",
                                  error ? ": " + error.message() : std::string()));
   }

@@ -86,7 +86,9 @@ inline void check_costs(const FetchCosts& c) {
 
 /// Measures a tier's get: latency as the median of `repeats` gets of a 64-byte entry, bandwidth
 /// from the median get of a `large_bytes` entry once that latency is taken off. Writes, reads and
-/// erases two entries under `key_stem`.
+/// erases two entries under `key_stem` (replacing entries of those names; a bounded tier may
+/// drop others to make room, and a call that throws may leave them): measure a scratch tier
+/// object on the same store where that matters.
 /// \throws kvpack::Error as the tier does; kInvalidArgument for large_bytes < 1 MiB or repeats < 1.
 [[nodiscard]] inline TierCost measure_tier(Tier& tier, std::size_t large_bytes = std::size_t{8} << 20,
                                            int repeats = 5, const std::string& key_stem = "kvpack-probe") {

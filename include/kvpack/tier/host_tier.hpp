@@ -33,19 +33,23 @@ class HostTier final : public Tier {
     KVPACK_CHECK(bytes.size() <= capacity_, kOutOfRange,
                  detail::message("HostTier::put: an entry of ", bytes.size(), " bytes exceeds the capacity of ",
                                  capacity_, " bytes"));
-    // Allocate before the lock and before any change, so a failed allocation changes nothing
-    // and the list node below can be spliced in without allocating.
-    std::vector<std::byte> copy(bytes.begin(), bytes.end());
-    std::list<std::string> node{std::string(key)};
-    const std::size_t size = copy.size();
+    // Every allocation happens before the first change: the copy, the map node (built in a
+    // scratch map and extracted), the list node, and room in the table (reserve). What follows
+    // cannot throw, so a failed put changes nothing.
+    const std::size_t size = bytes.size();
+    Entries scratch;
+    scratch.emplace(std::string(key), Entry{std::vector<std::byte>(bytes.begin(), bytes.end()), {}});
+    Entries::node_type node = scratch.extract(scratch.begin());
+    std::list<std::string> recency_node{node.key()};
     std::lock_guard lock(mutex_);
-    if (const auto found = entries_.find(node.front()); found != entries_.end()) remove(found);
+    entries_.reserve(entries_.size() + 1);
+    if (const auto found = entries_.find(node.key()); found != entries_.end()) remove(found);
     while (used_ + size > capacity_) {
       remove(entries_.find(recency_.back()));
       ++stats_.evictions;
     }
-    const auto entry = entries_.emplace(node.front(), Entry{std::move(copy), {}}).first;
-    recency_.splice(recency_.begin(), node);
+    const auto entry = entries_.insert(std::move(node)).position;
+    recency_.splice(recency_.begin(), recency_node);
     entry->second.recency = recency_.begin();
     used_ += size;
     stats_.bytes_written += size;
@@ -58,10 +62,11 @@ class HostTier final : public Tier {
     ++stats_.gets;
     const auto found = entries_.find(std::string(key));
     if (found == entries_.end()) return std::nullopt;
+    std::optional<std::vector<std::byte>> copy(found->second.bytes);  // may throw: before any change
     recency_.splice(recency_.begin(), recency_, found->second.recency);  // now the most recent
     ++stats_.hits;
-    stats_.bytes_read += found->second.bytes.size();
-    return found->second.bytes;
+    stats_.bytes_read += copy->size();
+    return copy;
   }
 
   bool erase(std::string_view key) override {

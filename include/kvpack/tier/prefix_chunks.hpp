@@ -7,9 +7,11 @@
 ///        prefills the rest. (LMCache's chunk-hash scheme; the in-memory prefix index finds
 ///        prefixes at page granularity.)
 ///
-/// Each chunk is a page file of its pages (io::PageFileOptions::first_page) with its token ids;
-/// io::append_page_file loads it after the chunks before it, checking every byte, so a chunk
-/// that does not belong (a key collision, another codec) stops the lookup, never corrupts it.
+/// Each chunk is a page file of its pages (io::PageFileOptions::first_page) holding every token
+/// id of the prefix up to its end and the model id; a lookup compares both with the prompt's, and
+/// io::append_page_file loads the chunk after the ones before it, checking every byte, so a chunk
+/// that does not belong (a key collision, another model or codec) stops the lookup, never
+/// corrupts it.
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +26,7 @@
 #include "kvpack/error.hpp"
 #include "kvpack/io/page_file.hpp"
 #include "kvpack/paging/fingerprint.hpp"
+#include "kvpack/tier/cache_identity.hpp"
 #include "kvpack/tier/tier.hpp"
 
 namespace kvpack::inline v0::tier {
@@ -41,9 +44,9 @@ void check_chunk_tokens(const Cache& cache, index_t chunk_tokens, std::string_vi
 }  // namespace chunk_detail
 
 /// The keys of the whole chunks of `tokens`: key c ("kvpack-chunk-" and 32 hex digits) is two
-/// independent fingerprints of the model id, salt, layout, shape, page size, quantizer, chunk
-/// size and every token up to the end of chunk c, so equal keys mean equal prefixes (up to
-/// fingerprint collisions, which the loader's checks turn into a shorter hit).
+/// independent fingerprints of the cache's identity (cache_identity.hpp), the chunk size and
+/// every token up to the end of chunk c, so equal keys mean equal prefixes (up to fingerprint
+/// collisions, which fetch_prefix's token comparison turns into a shorter hit).
 template <class Cache>
 [[nodiscard]] std::vector<std::string> chunk_keys(const Cache& cache, std::span<const std::int32_t> tokens,
                                                   std::string_view model_id, index_t chunk_tokens,
@@ -51,10 +54,8 @@ template <class Cache>
   chunk_detail::check_chunk_tokens(cache, chunk_tokens, "chunk_keys");
   paging::Fingerprint chains[2] = {paging::Fingerprint(11), paging::Fingerprint(12)};
   for (paging::Fingerprint& f : chains) {
-    const ModelShape& shape = cache.shape();
-    f.add(model_id).add(salt).add(std::string_view(Cache::layout_type::kName));
-    f.add(shape.layers).add(shape.q_heads).add(shape.kv_heads).add(shape.head_dim).add(cache.config().page_size);
-    f.add(std::string_view(Cache::quantizer_type::name())).add(chunk_tokens);
+    add_cache_identity(f, cache, model_id, salt);
+    f.add(chunk_tokens);
   }
   std::vector<std::string> keys;
   const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
@@ -77,7 +78,7 @@ std::size_t store_chunks(Tier& tier, const Cache& cache, SeqId seq, std::span<co
   const std::size_t pages_per_chunk = static_cast<std::size_t>(chunk_tokens / cache.config().page_size);
   const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
   for (std::size_t c = 0; c < keys.size(); ++c) {
-    io::PageFileOptions options{std::string(model_id), tokens.subspan(c * chunk, chunk), c * pages_per_chunk,
+    io::PageFileOptions options{std::string(model_id), tokens.first((c + 1) * chunk), c * pages_per_chunk,
                                 pages_per_chunk};
     tier.put(keys[c], io::write_page_file(cache, seq, options));
   }
@@ -94,8 +95,10 @@ struct PrefixFetch {
 };
 
 /// A new sequence in `cache` holding the longest prefix of `tokens` whose chunks are all in
-/// `tier`. A chunk that is missing, cannot be read (kUnavailable), is damaged or does not fit
-/// ends the prefix there, and `stopped_because` says which; only OutOfPages reaches the caller.
+/// `tier`. A chunk that is missing, cannot be read (kUnavailable), is damaged, holds another
+/// prefix or model, or does not fit ends the prefix there, and `stopped_because` says which.
+/// OutOfPages (the pool is full: an engine preempts) and exceptions that are not
+/// kvpack::Error reach the caller, with the new sequence released.
 template <class Cache>
 [[nodiscard]] PrefixFetch fetch_prefix(Tier& tier, Cache& cache, std::span<const std::int32_t> tokens,
                                        std::string_view model_id, index_t chunk_tokens, std::string_view salt = {}) {
@@ -112,9 +115,11 @@ template <class Cache>
       }
       const std::string what = tier.describe() + " chunk '" + keys[c] + "'";
       const io::PageFileView view = io::PageFileView::parse(*entry, what);
-      const std::span<const std::int32_t> expected = tokens.subspan(c * chunk, chunk);
+      const std::span<const std::int32_t> expected = tokens.first((c + 1) * chunk);
       KVPACK_CHECK(std::equal(view.tokens().begin(), view.tokens().end(), expected.begin(), expected.end()),
-                   kInvalidArgument, detail::message(what, " holds other tokens"));
+                   kInvalidArgument, detail::message(what, " holds another prefix's tokens"));
+      KVPACK_CHECK(view.header().model_id == model_id, kInvalidArgument,
+                   detail::message(what, " is model '", view.header().model_id, "', not '", std::string(model_id), "'"));
       const SeqId longer = io::append_page_file(cache, result.seq, view);
       cache.release(result.seq);
       result.seq = longer;
@@ -128,6 +133,9 @@ template <class Cache>
       }
       result.stopped_because = error.what();
       return result;
+    } catch (...) {
+      cache.release(result.seq);
+      throw;
     }
   }
   return result;

@@ -11,6 +11,13 @@
 /// nothing but the bound; a fired head gets attention over every token ever written, the live
 /// ones as the cache decodes them and the dropped ones as written (fp32).
 ///
+/// Keys are written as attention reads them: after RoPE, at the tokens' own positions (what
+/// KVCache::read_back returns). A cache that stores keys before RoPE is fine (read_back rotates
+/// them); one whose evictor re-rotates by in-cache index (StreamingLLM's in_cache_positions) is
+/// not: its live keys and the recalled ones would be rotated differently.
+///
+/// A RecallStore is not thread-safe: one per engine thread, or a lock around it.
+///
 /// Entries, one per write call and (layer, stream), chunked to at most `chunk_tokens`:
 ///   u32 tokens · u32 dim · i32 positions[tokens] · f32 keys[tokens][dim] · f32 values[tokens][dim]
 /// under "<name>-s<seq>-l<layer>-h<stream>-c<chunk>".
@@ -46,16 +53,22 @@ struct RecallStats {
 
 class RecallStore {
  public:
-  /// \param name distinguishes this store's entries in a shared tier (a tier key itself)
+  /// \param name distinguishes this store's entries in a shared tier: a tier key of at most
+  ///        kMaxNameBytes characters (the entry keys append sequence, layer, stream and chunk)
+  static constexpr std::size_t kMaxNameBytes = 120;
   RecallStore(Tier& tier, std::string name, index_t chunk_tokens = 256)
       : tier_(tier), name_(std::move(name)), chunk_tokens_(chunk_tokens) {
     check_tier_key(name_, "RecallStore");
+    KVPACK_CHECK(name_.size() <= kMaxNameBytes, kInvalidArgument,
+                 detail::message("RecallStore: name is ", name_.size(), " characters, at most ", kMaxNameBytes));
     KVPACK_CHECK(chunk_tokens > 0, kInvalidArgument, "RecallStore: chunk_tokens must be > 0");
   }
 
-  /// Writes tokens of (seq, layer): rows [T][streams][dim] as KVCache takes them, at positions
-  /// positions[0..T) (increasing, after any written before).
+  /// Writes tokens of (seq, layer): rows [T][streams][dim] in KVCache's input layout, keys after
+  /// RoPE, at positions positions[0..T) (increasing, after any written before).
   /// \throws kvpack::Error kInvalidArgument for inconsistent sizes or positions; as Tier::put.
+  ///         The store records the write only once every entry is in the tier, so a failed
+  ///         write can be retried as it was (its entries are overwritten).
   void write(SeqId seq, index_t layer, index_t streams, index_t dim, std::span<const float> keys,
              std::span<const float> values, std::span<const std::int64_t> positions) {
     const std::size_t row = static_cast<std::size_t>(streams) * static_cast<std::size_t>(dim);
@@ -63,26 +76,28 @@ class RecallStore {
                  kInvalidArgument,
                  detail::message("RecallStore::write: ", keys.size(), " key and ", values.size(), " value floats for ",
                                  positions.size(), " tokens of ", streams, " streams x ", dim));
-    Written& written = written_[{seq, layer}];
-    KVPACK_CHECK(written.streams == 0 || (written.streams == streams && written.dim == dim), kInvalidArgument,
+    const auto found = written_.find({seq, layer});
+    Written written = found != written_.end() ? found->second : Written{streams, dim, 0, -1};
+    KVPACK_CHECK(written.streams == streams && written.dim == dim, kInvalidArgument,
                  "RecallStore::write: streams or dim differ from an earlier write of this layer");
     for (std::size_t i = 0; i < positions.size(); ++i) {
       const std::int64_t previous = i == 0 ? written.last_position : positions[i - 1];
       KVPACK_CHECK(positions[i] > previous && positions[i] <= std::numeric_limits<std::int32_t>::max(),
                    kInvalidArgument, "RecallStore::write: positions must increase and fit 32 bits");
     }
-    written.streams = streams;
-    written.dim = dim;
+    std::uint64_t bytes = 0;
     for (std::size_t first = 0; first < positions.size(); first += static_cast<std::size_t>(chunk_tokens_)) {
       const std::size_t n = std::min(positions.size() - first, static_cast<std::size_t>(chunk_tokens_));
       for (index_t s = 0; s < streams; ++s) {
-        std::vector<std::byte> entry = encode(keys, values, positions, first, n, s, streams, dim);
+        const std::vector<std::byte> entry = encode(keys, values, positions, first, n, s, streams, dim);
         tier_.put(key_of(seq, layer, s, written.chunks), entry);
-        stats_.bytes_written += entry.size();
+        bytes += entry.size();
       }
       ++written.chunks;
       written.last_position = positions[first + n - 1];
     }
+    written_[{seq, layer}] = written;
+    stats_.bytes_written += bytes;
   }
 
   /// Every token written for (seq, layer, stream), in position order.
@@ -93,6 +108,8 @@ class RecallStore {
     const auto found = written_.find({seq, layer});
     if (found == written_.end()) return out;
     const Written& written = found->second;
+    KVPACK_CHECK(stream >= 0 && stream < written.streams, kInvalidArgument,
+                 detail::message("RecallStore::read: stream ", stream, " of ", written.streams, " written"));
     out.key_dim = out.value_dim = written.dim;
     for (std::uint32_t chunk = 0; chunk < written.chunks; ++chunk) {
       const std::string key = key_of(seq, layer, stream, chunk);
@@ -210,8 +227,9 @@ inline void exact_heads(const StoredTokens& tokens, std::span<const float> query
 /// exceeds report.epsilon, the stream's dropped tokens are fetched from `store` and its heads'
 /// outputs recomputed exactly over live ∪ recalled tokens. `Cache` is a KVCache (attend with a
 /// report) or an eval::AnyCache (attend_reported). Returns the streams recalled.
-/// \throws kvpack::Error as attend and RecallStore::read (a tier that cannot deliver: the output
-///         is then the cache's own, already written, and the report says the bound fired).
+/// \throws kvpack::Error as attend and RecallStore::read (a tier that cannot deliver: `out` then
+///         holds the cache's own output for the streams not yet recalled, and the report says
+///         the bound fired).
 template <class Cache>
 index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, index_t layer,
                            std::span<const float> query, std::span<float> out, float scale, AttendReport& report) {

@@ -9,9 +9,15 @@
 /// a dropped connection throws kUnavailable naming the server and the cause; the connection is
 /// then dropped and the next call connects again, so a restarted server is picked up without
 /// rebuilding the tier. Thread-safe: calls are serialized (a hiredis context is not shared).
+/// hiredis writes with write(2), which raises SIGPIPE on a connection the server reset (a put
+/// after a restart): each command blocks SIGPIPE in its thread and discards one it raised, so a
+/// dead connection is an error, not the end of the process.
 
 #include <hiredis/hiredis.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/time.h>
+#include <time.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -125,9 +131,40 @@ class RedisTier final : public Tier {
     if (redisSetTimeout(context_.get(), timeout) != REDIS_OK) unavailable("cannot set the command timeout");
   }
 
+  /// Blocks SIGPIPE in this thread for its lifetime; a SIGPIPE raised meanwhile (and not
+  /// pending before) is consumed, then the old mask comes back.
+  class SigpipeBlocked {
+   public:
+    SigpipeBlocked() {
+      sigemptyset(&pipe_);
+      sigaddset(&pipe_, SIGPIPE);
+      sigset_t pending;
+      sigpending(&pending);
+      was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+      pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    }
+    ~SigpipeBlocked() {
+      sigset_t pending;
+      sigpending(&pending);
+      if (!was_pending_ && sigismember(&pending, SIGPIPE) == 1) {
+        const timespec now{0, 0};
+        sigtimedwait(&pipe_, nullptr, &now);
+      }
+      pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    }
+    SigpipeBlocked(const SigpipeBlocked&) = delete;
+    SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+   private:
+    sigset_t pipe_{};
+    sigset_t old_{};
+    bool was_pending_ = false;
+  };
+
   template <class... Args>
   Reply command(const char* format, Args... args) {
     if (!context_) connect();
+    const SigpipeBlocked blocked;
     Reply reply(static_cast<redisReply*>(redisCommand(context_.get(), format, args...)));
     if (!reply) unavailable(detail::message("the connection failed: ", context_->errstr));
     return reply;

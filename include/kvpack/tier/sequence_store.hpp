@@ -19,13 +19,14 @@
 #include "kvpack/error.hpp"
 #include "kvpack/io/page_file.hpp"
 #include "kvpack/paging/fingerprint.hpp"
+#include "kvpack/tier/cache_identity.hpp"
 #include "kvpack/tier/fetch_planner.hpp"
 #include "kvpack/tier/tier.hpp"
 
 namespace kvpack::inline v0::tier {
 
 /// The tier key of a sequence: "kvpack-" and 32 hex digits, two independent 64-bit fingerprints
-/// of the model id, salt, layout, shape, page size, quantizer and token ids. Keys only find
+/// of the cache's identity (cache_identity.hpp) and the token ids. Keys only find
 /// entries; fetch_sequence still checks the tokens, and the loader every page byte, so a
 /// collision costs a recompute, never a wrong page. Stable across runs of builds on
 /// little-endian hosts (the fingerprint hashes object bytes).
@@ -34,10 +35,8 @@ template <class Cache>
                                        std::string_view model_id, std::string_view salt = {}) {
   const auto fingerprint = [&](std::uint64_t seed) {
     paging::Fingerprint f(seed);
-    const ModelShape& shape = cache.shape();
-    f.add(model_id).add(salt).add(std::string_view(Cache::layout_type::kName));
-    f.add(shape.layers).add(shape.q_heads).add(shape.kv_heads).add(shape.head_dim).add(cache.config().page_size);
-    f.add(std::string_view(Cache::quantizer_type::name())).add(tokens);
+    add_cache_identity(f, cache, model_id, salt);
+    f.add(tokens);
     return f.value();
   };
   char text[40];

@@ -1,12 +1,14 @@
 #pragma once
 /// \file tier.hpp
-/// \brief Tier: a store for sealed byte blobs outside the cache's page pool (issue 9, part 2).
-///        Host memory, local disk and Redis implement it; sequence_store.hpp puts page files in
-///        them, and fetch_planner.hpp decides whether fetching one beats recomputing it.
+/// \brief Tier: a store for byte blobs outside the cache's page pool (issue 9, part 2). Host
+///        memory, local disk and Redis implement it; sequence_store.hpp and prefix_chunks.hpp
+///        put page files in them, and fetch_planner.hpp decides whether fetching one beats
+///        recomputing it.
 ///
-/// A tier holds whole entries, never parts: `put` either stores all the bytes or leaves the key
-/// as it was, and `get` returns exactly what was stored or reports why it cannot. Keys are short
-/// ASCII names (tier_key_problem) so they are safe as file names and Redis keys alike.
+/// A tier holds whole entries, never parts: `get` returns exactly the bytes of one complete put
+/// or reports why it cannot. A put that fails may leave the old entry, nothing, or (a Redis SET
+/// that timed out after the server applied it) the new one, never a part. Keys are short ASCII
+/// names (tier_key_problem) so they are safe as file names and Redis keys alike.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,7 +22,7 @@
 
 namespace kvpack::inline v0::tier {
 
-/// What a tier has done since it was created (or, for Redis, since this client connected).
+/// What a tier object has done since it was created.
 struct TierStats {
   std::uint64_t puts = 0;
   std::uint64_t gets = 0;

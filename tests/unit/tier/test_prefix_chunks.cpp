@@ -98,8 +98,15 @@ TEST_CASE("a prefix stored as chunks is found again up to where the prompt or th
   SECTION("chunk 1 holding another chunk's pages") {
     host.put(keys[1], *host.get(keys[2]));
     const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, kModel, kChunk);
-    CHECK_THAT(loaded.stopped_because, Catch::Contains("holds other tokens"));
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("holds another prefix's tokens"));
     check_prefix(target, loaded, kChunk);
+  }
+  SECTION("another model's chunk under this model's key") {
+    const std::vector<std::string> theirs = tier::chunk_keys(source, ids, "their-model", kChunk);
+    host.put(theirs[0], *host.get(keys[0]));
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, "their-model", kChunk);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("is model 'chunk-test-model', not 'their-model'"));
+    check_prefix(target, loaded, 0);
   }
   SECTION("a tier that is down") {
     test::DownTier down;

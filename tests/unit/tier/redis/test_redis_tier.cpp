@@ -92,6 +92,8 @@ TEST_CASE("a Redis server killed mid-run: clear errors, recompute instead, recon
           "[tier][redis]") {
   test::RedisServer server;
   RedisTier redis(options_for(server));
+  RedisTier idle(options_for(server));  // connected now, not used again until after the restart
+  CHECK_FALSE(idle.get("nothing").has_value());
   using Cache = KVCache<layout::GQA, quant::Q8_0>;
   Cache source(test::kPageFileShape, CacheConfig{});
   const SeqId seq = test::fill_sequence(source);
@@ -126,6 +128,13 @@ TEST_CASE("a Redis server killed mid-run: clear errors, recompute instead, recon
 
   REQUIRE(server.start());  // empty: persistence is off, as after a crash of a cache-only server
   CHECK_FALSE(redis.get(key).has_value());
+  // A large put on a connection the server reset: hiredis's write() would raise SIGPIPE, which
+  // ends a process by default. It must be an error (or a success), and the next put must work.
+  const std::vector<std::byte> big = test::pattern_bytes(8 << 20, 9);
+  const auto stale = test::thrown_error([&] { idle.put("big", big); });
+  if (stale) CHECK(stale->code() == ErrorCode::kUnavailable);
+  idle.put("big", big);
+  CHECK(idle.get("big") == big);
   (void)tier::store_sequence(redis, key, source, seq, tokens, "redis-test-model");
   const tier::Restored fetched = tier::fetch_or_recompute(redis, key, target, tokens, [&]() -> SeqId {
     FAIL("recomputed although the server is back");
