@@ -167,6 +167,22 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
   }
 }
 
+// The fused kernels arrange lanes by group size: 2-bit groups of 64 fill four vectors per chunk,
+// 4-bit groups of 128 take several chunks per group on every ISA.
+TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI groups of 64 and 128", "[kernels][cpu]",
+                   (quant::KIVI<2, 64>), (quant::KIVI<4, 128>)) {
+  for (const index_t group : {1, 3, 4, 8}) {
+    const index_t page_size = 128, head_dim = 256, pages = 3, tail = 9;
+    const std::size_t rows = static_cast<std::size_t>(pages) * page_size + tail;
+    auto keys = test::random_rows(rows, head_dim, 64, 4, 10.0f);  // outlier channels
+    auto values = test::random_rows(rows, head_dim, 65, 2, 5.0f);
+    for (int ch = 0; ch < head_dim; ++ch) values[130 * head_dim + ch] = 0.0f;  // a zero row
+    auto queries = test::random_rows(group, head_dim, 66, 4, 3.0f);
+    for (float& q : queries) q /= 16.0f;
+    check_all_isas<TestType>(page_size, head_dim, pages, tail, group, keys, values, queries, group == 3);
+  }
+}
+
 TEMPLATE_TEST_CASE("every ISA rotates pre-RoPE keys like the double-precision reference", "[kernels][cpu][rope]",
                    quant::Float<float>, quant::Float<half>) {
   struct Case {

@@ -1,23 +1,29 @@
 #pragma once
 /// \file kivi.hpp
-/// \brief Decode-attention kernels for quant::KIVI: each page is unpacked into an fp32 tile in
-///        L1 (keys channel-major, values token-major: the layouts of quant::Float<float>) and
-///        scored or accumulated there by the element-format kernels of float.hpp.
+/// \brief Decode-attention kernels for quant::KIVI, fused with the unpacking: scores and sums
+///        are computed straight from the packed codes, never from decoded keys or values.
 ///
-/// Never more than one page is decoded at a time (page_size · head_dim floats of the call's
-/// scratch), so the cache is still read in its packed form. Where whole vectors fit, a row is
-/// unpacked in a permuted ("sliced") order — code j of every byte together — and the scores or
-/// sums are put back in order once per page or call. The unpacking repeats the codec's decode
-/// here, templated on the arch, so each instruction set compiles its own copy. Folding the
-/// per-channel scales into the query and scoring straight from the codes (ALGORITHMS.md §1) is
-/// the faster design still to come; this path is correct on every ISA first.
+/// The per-group affine map x̂ = s·code + m is folded into the operand that multiplies the codes
+/// (ALGORITHMS.md §1):
+/// - keys (per channel c, one (s_c, m_c) per group of tokens):
+///   Σ_c q_c·x̂_tc = Σ_c (q_c·s_c)·code_tc + Σ_c q_c·m_c, so the query is scaled once per token
+///   group and the second sum is one number per head and group;
+/// - values (per token t, one (s_t, m_t) per group of channels):
+///   Σ_t w_t·x̂_tc = Σ_t (w_t·s_t)·code_tc + Σ_t w_t·m_t, so each weight is scaled once per token
+///   and channel group, and the second sum is added once per call.
+/// What is left per code is a shift, a mask, a conversion and one FMA per query head. Codes are
+/// taken from whole vectors of bytes in a permuted order (KiviLanes); scores and sums are put
+/// back in order once per page or call. The per-token keys of KIVI's ablation still unpack a page
+/// into an fp32 tile and score it with the float kernels.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "kvpack/kernels/cpu/float.hpp"
+#include "kvpack/kernels/cpu/group_blocks.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
 #include "kvpack/quant/kivi.hpp"
@@ -105,18 +111,75 @@ KVPACK_ALWAYS_INLINE void unpack_kivi_row(const std::byte* row, index_t count, i
   }
 }
 
-/// A key page as fp32, channel-major (`tile[c·page_size + t]`). Templated on the arch so each
-/// instruction set's copy stays its own (STYLE.md §5.2).
+/// How vectors of A take codes from a packed KIVI row in the fused kernels. A *chunk* of
+/// kChunkBytes consecutive bytes of one scale group fills the W 32-bit lanes (repeated kRepeat
+/// times when the group is shorter than W: 2-bit groups of 32 on AVX-512), and kVectors vectors
+/// of codes are shifted out of it: lane l of vector J holds the code at bits
+/// Bits·(l / kChunkBytes + kRepeat·J) of byte l % kChunkBytes, element `element(J, l)` of the chunk.
 template <int Bits, int Group, class A>
-KVPACK_ALWAYS_INLINE void unpack_kivi_keys(A, quant::PageGeometry g, const std::byte* plane, float* tile) noexcept {
-  using Codec = quant::KiviKeyCodec<Bits, Group>;
-  const std::size_t meta_stride = static_cast<std::size_t>(g.head_dim) * 2;  // scale[group][channel]
-  for (index_t c = 0; c < g.head_dim; ++c) {
-    unpack_kivi_row<Bits, A>(plane + Codec::row_bytes(g) * static_cast<std::size_t>(c), g.page_size, Group,
-                             plane + Codec::scales_offset(g) + 2 * static_cast<std::size_t>(c),
-                             plane + Codec::mins_offset(g) + 2 * static_cast<std::size_t>(c), meta_stride,
-                             tile + static_cast<std::size_t>(c) * g.page_size);
+struct KiviLanes {
+  static constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+  static constexpr index_t kPerByte = 8 / Bits;
+  static constexpr index_t kGroupBytes = Group * Bits / 8;
+  static constexpr index_t kChunkBytes = kGroupBytes < kWidth ? kGroupBytes : kWidth;
+  static constexpr index_t kChunks = kGroupBytes / kChunkBytes;  ///< per scale group
+  static constexpr index_t kRepeat = kWidth / kChunkBytes;
+  static constexpr int kVectors = static_cast<int>(kPerByte / kRepeat);
+  static constexpr index_t kChunkElements = kChunkBytes * kPerByte;
+  static_assert(kVectors >= 1 && kVectors * kWidth == kChunkElements, "a chunk's codes fill whole vectors");
+
+  static constexpr index_t element(index_t vector, index_t lane) noexcept {
+    return lane % kChunkBytes * kPerByte + lane / kChunkBytes + kRepeat * vector;
   }
+
+  /// The chunk at `p`, one byte per lane (kRepeat copies side by side).
+  static KVPACK_ALWAYS_INLINE simd::i32<A> load(const std::uint8_t* p) noexcept {
+    if constexpr (kRepeat == 1) {
+      return simd::load_u8<A>(p);
+    } else {
+#if XSIMD_WITH_AVX512BW
+      static_assert(kRepeat == 2 && std::is_same_v<A, xsimd::avx512bw>, "only AVX-512 vectors outgrow a group");
+      std::uint64_t bytes;
+      std::memcpy(&bytes, p, sizeof(bytes));
+      return _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<long long>(bytes)));
+#else
+      static_assert(kRepeat == 1, "only AVX-512 vectors outgrow a group");
+#endif
+    }
+  }
+
+  /// Vector J of a loaded chunk's codes, as floats.
+  template <int J>
+  static KVPACK_ALWAYS_INLINE simd::f32<A> codes(simd::i32<A> packed) noexcept {
+    const simd::i32<A> mask((1 << Bits) - 1);
+    if constexpr (kRepeat == 1) {
+      if constexpr (J == 0) return xsimd::to_float(packed & mask);
+      // The top code of a zero-extended byte has nothing above it to mask.
+      if constexpr (J == kVectors - 1) return xsimd::to_float(packed >> (Bits * J));
+      return xsimd::to_float((packed >> (Bits * J)) & mask);
+    } else {
+#if XSIMD_WITH_AVX512BW
+      const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi32(Bits * kRepeat * J),
+                                                _mm256_set1_epi32(Bits * (1 + kRepeat * J)), 1);
+      return xsimd::to_float(simd::i32<A>(_mm512_srlv_epi32(packed, shifts)) & mask);
+#endif
+    }
+  }
+};
+
+/// Calls f(std::integral_constant<int, J>{}) for J = 0 .. N - 1.
+template <int N, class F>
+KVPACK_ALWAYS_INLINE void for_each_vector(F&& f) {
+  [&]<int... J>(std::integer_sequence<int, J...>) { (f(std::integral_constant<int, J>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
+
+/// Query-head blocks whose kG·kVectors accumulators fit the registers of A with room to spare.
+template <int kVectors, class A>
+constexpr int kivi_max_heads() noexcept {
+  constexpr int registers = std::is_same_v<A, xsimd::avx512bw> ? 16 : 8;
+  constexpr int heads = registers / kVectors;
+  return heads >= 8 ? 8 : heads >= 4 ? 4 : heads >= 2 ? 2 : 1;
 }
 
 /// A per-token plane (values, or the ablation's keys) as fp32, token-major (`tile[t·head_dim + c]`).
@@ -137,32 +200,93 @@ KVPACK_ALWAYS_INLINE PageRun tile_run(const std::byte* const* tile, const PageRu
   return PageRun{tile, nullptr, 1, 0, run.page_size, run.head_dim, 0, 0};
 }
 
+/// Per head, the query times the channel scales of token group `tg` (qs[h][c] = q_c·s_c) and
+/// the query times its minimums (bias[h] = Σ_c q_c·m_c).
 template <int Bits, int Group, class A>
-void score_keys(A arch, std::type_identity<quant::KiviKeyCodec<Bits, Group>>,
-                const ScoreArgs<quant::NoParams>& args) noexcept {
-  const PageRun& run = args.run;
-  const index_t page = run.page_size;
-  const quant::PageGeometry geometry{page, run.head_dim};
-  float* tile = args.scratch;  // [head_dim][page_size], tokens in sliced order when they fit
-  float* sliced_scores = tile + static_cast<std::size_t>(page) * run.head_dim;  // [group][page_size]
-  const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
-  const bool sliced = slices_fit<Bits, A>(page, Group);
-  for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher(run, i, 1, 1).step();
-    unpack_kivi_keys<Bits, Group>(arch, geometry, run.pages[i], tile);
-    float* scores = args.scores + i * page;
-    const ScoreArgs<quant::NoParams> tile_args{tile_run(&tile_page, run), {}, args.queries, args.group,
-                                               sliced ? sliced_scores : scores, sliced ? page : args.score_stride,
-                                               nullptr};
-    score_element_keys<float>(arch, tile_args);
-    if (sliced) {  // back to token order
-      for (index_t h = 0; h < args.group; ++h) {
-        for (index_t t = 0; t < page; ++t) {
-          scores[h * args.score_stride + t] = sliced_scores[h * page + sliced_position<Bits>(t, page)];
-        }
+KVPACK_ALWAYS_INLINE void fold_key_group(const std::byte* plane, quant::PageGeometry g, index_t tg, const float* queries,
+                                         index_t group, float* qs, float* bias) noexcept {
+  using Codec = quant::KiviKeyCodec<Bits, Group>;
+  using batch = simd::f32<A>;
+  constexpr index_t kWidth = static_cast<index_t>(batch::size);
+  const index_t d = g.head_dim;
+  const std::size_t meta = static_cast<std::size_t>(tg) * d * 2;  // scale[group][channel]
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(g) + meta);
+  const auto* mins = reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(g) + meta);
+  const index_t vector_end = d - d % kWidth;
+  for (index_t h = 0; h < group; ++h) {
+    const float* q = queries + h * d;
+    batch dot(0.0f);
+    for (index_t c = 0; c < vector_end; c += kWidth) {
+      const batch qc = batch::load_unaligned(q + c);
+      (qc * simd::load_f16<A>(scales + c)).store_unaligned(qs + h * d + c);
+      dot = xsimd::fma(qc, simd::load_f16<A>(mins + c), dot);
+    }
+    float sum = simd::reduce_sum<A>(dot);
+    for (index_t c = vector_end; c < d; ++c) {
+      qs[h * d + c] = q[c] * static_cast<float>(half::from_bits(scales[c]));
+      sum += q[c] * static_cast<float>(half::from_bits(mins[c]));
+    }
+    bias[h] = sum;
+  }
+}
+
+/// Scores of kG heads for the Group tokens of one token group, from the codes at `codes`
+/// (channel c's codes row_bytes·c further on): Σ_c qs_c·code_tc + bias, written in token order.
+template <int Bits, int Group, int kG, class A>
+KVPACK_ALWAYS_INLINE void score_kivi_token_group(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
+                                                 const float* qs, const float* bias, float* scores,
+                                                 index_t stride) noexcept {
+  using L = KiviLanes<Bits, Group, A>;
+  using batch = simd::f32<A>;
+  for (index_t chunk = 0; chunk < L::kChunks; ++chunk) {
+    batch acc[kG][L::kVectors];
+    for (int h = 0; h < kG; ++h) {
+      for (int j = 0; j < L::kVectors; ++j) acc[h][j] = batch(0.0f);
+    }
+    const std::uint8_t* p = codes + chunk * L::kChunkBytes;
+    for (index_t c = 0; c < head_dim; ++c, p += row_bytes) {
+      const simd::i32<A> packed = L::load(p);
+      for_each_vector<L::kVectors>([&](auto j) {
+        const batch k = L::template codes<decltype(j)::value>(packed);
+        KVPACK_UNROLL
+        for (int h = 0; h < kG; ++h) acc[h][j] = xsimd::fma(batch(qs[h * head_dim + c]), k, acc[h][j]);
+      });
+    }
+    alignas(64) float lanes[L::kWidth];
+    for (int h = 0; h < kG; ++h) {
+      float* out = scores + h * stride + chunk * L::kChunkElements;
+      for (int j = 0; j < L::kVectors; ++j) {
+        (acc[h][j] + batch(bias[h])).store_aligned(lanes);
+        for (index_t l = 0; l < L::kWidth; ++l) out[L::element(j, l)] = lanes[l];
       }
     }
-    if (run.live != nullptr) mask_dead_slots(run.live[i], page, args.group, scores, args.score_stride);
+  }
+}
+
+template <int Bits, int Group, class A>
+void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const ScoreArgs<quant::NoParams>& args) noexcept {
+  using Codec = quant::KiviKeyCodec<Bits, Group>;
+  using L = KiviLanes<Bits, Group, A>;
+  const PageRun& run = args.run;
+  const index_t d = run.head_dim;
+  const quant::PageGeometry geometry{run.page_size, d};
+  const std::size_t row_bytes = Codec::row_bytes(geometry);
+  float* qs = args.scratch;                                     // [group][head_dim]
+  float* bias = qs + static_cast<std::size_t>(args.group) * d;  // [group]
+  for (index_t i = 0; i < run.count; ++i) {
+    PagePrefetcher(run, i, 1, 1).step();
+    const std::byte* plane = run.pages[i];
+    float* scores = args.scores + i * run.page_size;
+    for (index_t tg = 0; tg < run.page_size / Group; ++tg) {
+      fold_key_group<Bits, Group, A>(plane, geometry, tg, args.queries, args.group, qs, bias);
+      const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + tg * L::kGroupBytes;
+      for_each_head_block<kivi_max_heads<L::kVectors, A>()>(args.group, [&](auto block, index_t h0) {
+        score_kivi_token_group<Bits, Group, decltype(block)::value, A>(
+            codes, row_bytes, d, qs + h0 * d, bias + h0, scores + h0 * args.score_stride + tg * Group,
+            args.score_stride);
+      });
+    }
+    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
   }
 }
 
@@ -194,28 +318,114 @@ void score_keys(A arch, std::type_identity<quant::KiviTokenCodec<Bits, Group, Pl
   }
 }
 
-template <int Bits, int Group, class A>
-void accumulate_values(A arch, std::type_identity<quant::KiviValueCodec<Bits, Group>>,
-                       const AccumulateArgs<quant::NoParams>& args) noexcept {
-  const PageRun& run = args.run;
-  const index_t d = run.head_dim;
-  const quant::PageGeometry geometry{run.page_size, d};
-  float* tile = args.scratch;  // [page_size][head_dim], channels in sliced order when they fit
-  const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
-  const bool sliced = slices_fit<Bits, A>(d, Group);
-  // Sliced channels accumulate into a local sum, added back in channel order at the end.
-  float* acc = sliced ? tile + static_cast<std::size_t>(run.page_size) * d : args.acc;  // [group][head_dim]
-  if (sliced) std::fill(acc, acc + static_cast<std::size_t>(args.group) * d, 0.0f);
-  for (index_t i = 0; i < run.count; ++i) {
-    unpack_kivi_tokens<Bits, Group, Plane::kValue>(arch, geometry, run.pages[i] + run.value_offset, tile);
-    // Dead slots carry weight 0, so their decoded rows add nothing.
-    const AccumulateArgs<quant::NoParams> page{tile_run(&tile_page, run), {}, args.weights + i * run.page_size,
-                                               args.weight_stride, args.group, acc, nullptr};
-    accumulate_element_values<float>(arch, page);
+/// Where the fused value kernel keeps its state in the call's scratch.
+struct KiviValueScratch {
+  float* sums;       ///< [group][head_dim]: Σ_t (w_t·s_t)·code_tc, channels in lane order
+  float* min_sums;   ///< [group][head_dim / Group][W]: Σ_t w_t·m_t, in W partial sums
+  float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group
+  float* converted;  ///< [2][page_size][head_dim / Group]: the page's scales, then minimums
+  float* scales;     ///< [head_dim / Group][page_size]: the page's scales by channel group
+  float* mins;       ///< the same for the minimums
+};
+
+/// Sums of kG heads over one page for one chunk of one channel group, from the codes at `codes`
+/// (token t's row_bytes·t further on): sums[h][lane order] += Σ_t scaled[h][t]·code_tc.
+template <int Bits, int Group, int kG, class A>
+KVPACK_ALWAYS_INLINE void accumulate_kivi_chunk(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
+                                                const float* scaled, float* sums, index_t head_dim) noexcept {
+  using L = KiviLanes<Bits, Group, A>;
+  using batch = simd::f32<A>;
+  batch acc[kG][L::kVectors];
+  for (int h = 0; h < kG; ++h) {
+    for (int j = 0; j < L::kVectors; ++j) acc[h][j] = batch(0.0f);
   }
-  if (sliced) {
-    for (index_t h = 0; h < args.group; ++h) {
-      for (index_t c = 0; c < d; ++c) args.acc[h * d + c] += acc[h * d + sliced_position<Bits>(c, d)];
+  const std::uint8_t* p = codes;
+  for (index_t t = 0; t < page_size; ++t, p += row_bytes) {
+    const simd::i32<A> packed = L::load(p);
+    for_each_vector<L::kVectors>([&](auto j) {
+      const batch v = L::template codes<decltype(j)::value>(packed);
+      KVPACK_UNROLL
+      for (int h = 0; h < kG; ++h) acc[h][j] = xsimd::fma(batch(scaled[h * page_size + t]), v, acc[h][j]);
+    });
+  }
+  for (int h = 0; h < kG; ++h) {
+    for (int j = 0; j < L::kVectors; ++j) {
+      float* out = sums + h * head_dim + j * L::kWidth;
+      (batch::load_unaligned(out) + acc[h][j]).store_unaligned(out);
+    }
+  }
+}
+
+template <int Bits, int Group, class A>
+void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>,
+                       const AccumulateArgs<quant::NoParams>& args) noexcept {
+  using Codec = quant::KiviValueCodec<Bits, Group>;
+  using L = KiviLanes<Bits, Group, A>;
+  using batch = simd::f32<A>;
+  constexpr index_t kWidth = L::kWidth;
+  const PageRun& run = args.run;
+  const index_t d = run.head_dim, page = run.page_size, groups = d / Group;
+  const quant::PageGeometry geometry{page, d};
+  const std::size_t row_bytes = Codec::row_bytes(geometry);
+  const std::size_t metas = static_cast<std::size_t>(page) * groups;
+  KiviValueScratch s{};
+  s.sums = args.scratch;
+  s.min_sums = s.sums + static_cast<std::size_t>(args.group) * d;
+  s.scaled = s.min_sums + static_cast<std::size_t>(args.group) * groups * kWidth;
+  s.converted = s.scaled + static_cast<std::size_t>(args.group) * page;
+  s.scales = s.converted + 2 * metas;
+  s.mins = s.scales + metas;
+  std::fill(s.sums, s.scaled, 0.0f);
+  for (index_t i = 0; i < run.count; ++i) {
+    const std::byte* plane = run.pages[i] + run.value_offset;
+    // Scales and minimums are [token][channel group] fp16, contiguous: converted with whole
+    // vectors (page_size is a multiple of 16), then transposed so that each channel group's
+    // run of tokens multiplies the weights vector by vector.
+    const auto* metadata = reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry));
+    for (std::size_t k = 0; k < 2 * metas; k += kWidth) {
+      simd::load_f16<A>(metadata + k).store_unaligned(s.converted + k);
+    }
+    for (index_t t = 0; t < page; ++t) {
+      for (index_t gc = 0; gc < groups; ++gc) {
+        s.scales[gc * page + t] = s.converted[t * groups + gc];
+        s.mins[gc * page + t] = s.converted[metas + t * groups + gc];
+      }
+    }
+    const float* weights = args.weights + i * page;
+    for (index_t gc = 0; gc < groups; ++gc) {
+      for (index_t h = 0; h < args.group; ++h) {
+        const float* w = weights + h * args.weight_stride;
+        float* min_sum = s.min_sums + (h * groups + gc) * kWidth;
+        batch m = batch::load_unaligned(min_sum);
+        for (index_t t = 0; t < page; t += kWidth) {
+          const batch wt = batch::load_unaligned(w + t);
+          (wt * batch::load_unaligned(s.scales + gc * page + t)).store_unaligned(s.scaled + h * page + t);
+          m = xsimd::fma(wt, batch::load_unaligned(s.mins + gc * page + t), m);
+        }
+        m.store_unaligned(min_sum);
+      }
+      const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
+      for (index_t chunk = 0; chunk < L::kChunks; ++chunk) {
+        for_each_head_block<kivi_max_heads<L::kVectors, A>()>(args.group, [&](auto block, index_t h0) {
+          accumulate_kivi_chunk<Bits, Group, decltype(block)::value, A>(
+              codes + chunk * L::kChunkBytes, row_bytes, page, s.scaled + h0 * page,
+              s.sums + h0 * d + (gc * L::kChunks + chunk) * L::kChunkElements, d);
+        });
+      }
+    }
+  }
+  // Back to channel order, with each channel group's Σ w·m.
+  for (index_t h = 0; h < args.group; ++h) {
+    for (index_t chunk = 0; chunk < d / L::kChunkElements; ++chunk) {
+      const float* in = s.sums + h * d + chunk * L::kChunkElements;
+      float* out = args.acc + h * d + chunk * L::kChunkElements;
+      for (int j = 0; j < L::kVectors; ++j) {
+        for (index_t l = 0; l < kWidth; ++l) out[L::element(j, l)] += in[j * kWidth + l];
+      }
+    }
+    for (index_t gc = 0; gc < groups; ++gc) {
+      const float min_sum = simd::reduce_sum<A>(batch::load_unaligned(s.min_sums + (h * groups + gc) * kWidth));
+      for (index_t c = gc * Group; c < (gc + 1) * Group; ++c) args.acc[h * d + c] += min_sum;
     }
   }
 }

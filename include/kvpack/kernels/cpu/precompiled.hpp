@@ -2,7 +2,8 @@
 /// \file precompiled.hpp
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
-/// Every shipped codec is listed (KIVI with its default group of 32), and the pre-RoPE key
+/// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
+/// 4-bit groups of 128, which take the fused kernels' other lane arrangements), and the pre-RoPE key
 /// scorers of the codecs meant for pre-RoPE storage (f32, f16, KVQuant). A kernel not listed here (a user's own codec) still works: it
 /// is compiled inline for the including file's own target (`default_arch`).
 
@@ -31,6 +32,8 @@ using ScoreQ8_0 = ScoreKeys<quant::Q8_0Codec<Plane::kKey>>;
 using ScoreQ4_0 = ScoreKeys<quant::Q4_0Codec<Plane::kKey>>;
 using ScoreKivi2 = ScoreKeys<quant::KiviKeyCodec<2, 32>>;
 using ScoreKivi4 = ScoreKeys<quant::KiviKeyCodec<4, 32>>;
+using ScoreKivi2G64 = ScoreKeys<quant::KiviKeyCodec<2, 64>>;
+using ScoreKivi4G128 = ScoreKeys<quant::KiviKeyCodec<4, 128>>;
 using ScoreKivi2Token = ScoreKeys<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
 using ScoreKivi4Token = ScoreKeys<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
 using ScoreNuq2 = ScoreKeys<quant::KVQuantKeyCodec<2>>;
@@ -51,6 +54,8 @@ using AccumulateQ8_0 = AccumulateValues<quant::Q8_0Codec<Plane::kValue>>;
 using AccumulateQ4_0 = AccumulateValues<quant::Q4_0Codec<Plane::kValue>>;
 using AccumulateKivi2 = AccumulateValues<quant::KiviValueCodec<2, 32>>;
 using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
+using AccumulateKivi2G64 = AccumulateValues<quant::KiviValueCodec<2, 64>>;
+using AccumulateKivi4G128 = AccumulateValues<quant::KiviValueCodec<4, 128>>;
 using AccumulateNuq2 = AccumulateValues<quant::KVQuantValueCodec<2>>;
 using AccumulateNuq3 = AccumulateValues<quant::KVQuantValueCodec<3>>;
 using AccumulateNuq4 = AccumulateValues<quant::KVQuantValueCodec<4>>;
@@ -73,7 +78,8 @@ using ScoreQjl = ScoreKeys<quant::QjlKeyCodec>;  // every sketch size
   X(precompiled::AccumulateInt8) X(precompiled::AccumulateQ8_0)                           \
   X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
-  X(precompiled::ScoreKivi4Token) X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
+  X(precompiled::ScoreKivi4Token) X(precompiled::ScoreKivi2G64) X(precompiled::ScoreKivi4G128)             \
+  X(precompiled::AccumulateKivi2G64) X(precompiled::AccumulateKivi4G128) X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
   X(precompiled::ScoreNuq2) X(precompiled::ScoreNuq3) X(precompiled::ScoreNuq4)                           \
   X(precompiled::ScoreRotatedNuq2) X(precompiled::ScoreRotatedNuq3) X(precompiled::ScoreRotatedNuq4)      \
   X(precompiled::AccumulateNuq2) X(precompiled::AccumulateNuq3) X(precompiled::AccumulateNuq4)            \
