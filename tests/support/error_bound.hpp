@@ -10,6 +10,11 @@
 //   max of the value scale) / kMax, kMax = 32767 (int16) or 127 (int8). Summed over a page of P
 //   slots, over pages, and divided by l = Σ p: Σ_pages P · (0.5/kMax) · max_p(page) ·
 //   max|v̂|(page) / l, times e^{4δ} for the kernel's own (perturbed) weights.
+// - KIVI-4 on AVX-512 (kernels/cpu/kivi_vnni.hpp) quantizes the operand that multiplies the raw
+//   codes instead: q·s to int16 per head, so δ_t = max_c |q_c·s_tc| / 65534 · Σ_c code_tc
+//   (kInt16Codes); and w·s to int8 per page, head and channel group with the step
+//   (page max of p) · (group's max s) / 127, so each sum moves by at most (page max of p) / 254 ·
+//   M, M = max_c (max_t s_{t,c}) · Σ_t code_tc over the page (page_code_mass; kInt8Codes).
 
 #include <algorithm>
 #include <cmath>
@@ -18,19 +23,29 @@
 
 #include "kvpack/dispatch.hpp"
 #include "kvpack/quant/int8.hpp"
+#include "kvpack/quant/kivi.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
 
 namespace kvpack::test {
 
-/// How the kernel under test computes with a plane: in fp32, or through int16 / int8 operands.
-enum class Operands { kFloat, kInt16, kInt8 };
+/// How the kernel under test computes with a plane: in fp32, through int16 / int8 operands, or
+/// through int16 / int8 operands that multiply raw codes (KIVI-4's keys / values).
+enum class Operands { kFloat, kInt16, kInt8, kInt16Codes, kInt8Codes };
+
+template <class Codec>
+struct IsKivi4 : std::false_type {};
+template <int Group>
+struct IsKivi4<quant::KiviKeyCodec<4, Group>> : std::true_type {};
+template <int Group>
+struct IsKivi4<quant::KiviValueCodec<4, Group>> : std::true_type {};
 
 /// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
 /// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
 template <class Codec>
 Operands operands(bool vnni) {
   if (!vnni) return Operands::kFloat;
+  if constexpr (IsKivi4<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
   if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
   if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
                 std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
@@ -51,7 +66,45 @@ struct DecodedTokens {
   std::vector<int> page_of;
   std::vector<double> page_max_value;  // per page, over all its slots (dead ones included)
   int page_size = 0;
+  // KIVI-4 keys: per token, each channel's scale and code (empty for tokens without codes).
+  std::vector<std::vector<float>> key_scales, key_codes;
+  // KIVI-4 values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots.
+  std::vector<double> page_code_mass;
 };
+
+/// What the kInt8Codes bound needs from page `plane` for its token t (keys) or for the whole
+/// page (values); nothing for other codecs.
+template <class Codec>
+void add_key_codes(const Codec&, quant::PageGeometry g, const std::byte* plane, int t, DecodedTokens& tokens) {
+  std::vector<float> scales, codes;
+  if constexpr (IsKivi4<Codec>::value && Codec::kPlane == Plane::kKey) {
+    for (int c = 0; c < g.head_dim; ++c) {
+      const std::size_t meta = (static_cast<std::size_t>(t / Codec::kGroup) * g.head_dim + c) * 2;
+      scales.push_back(quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta));
+      codes.push_back(quant::kivi_detail::get_code<4>(plane + Codec::row_bytes(g) * c, t));
+    }
+  }
+  tokens.key_scales.push_back(std::move(scales));
+  tokens.key_codes.push_back(std::move(codes));
+}
+
+template <class Codec>
+void add_value_code_mass(const Codec&, quant::PageGeometry g, const std::byte* plane, DecodedTokens& tokens) {
+  double mass = 0.0;
+  if constexpr (IsKivi4<Codec>::value && Codec::kPlane == Plane::kValue) {
+    const int groups = g.head_dim / Codec::kGroup;
+    for (int c = 0; c < g.head_dim; ++c) {
+      double scale_max = 0.0, code_sum = 0.0;
+      for (int t = 0; t < g.page_size; ++t) {
+        const std::size_t meta = (static_cast<std::size_t>(t) * groups + c / Codec::kGroup) * 2;
+        scale_max = std::max(scale_max, static_cast<double>(quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta)));
+        code_sum += quant::kivi_detail::get_code<4>(plane + Codec::row_bytes(g) * t, c);
+      }
+      mass = std::max(mass, scale_max * code_sum);
+    }
+  }
+  tokens.page_code_mass.push_back(mass);
+}
 
 inline double attention_error_bound(const DecodedTokens& tokens, const float* q, int head_dim, double scale,
                                     Operands key_operands, Operands value_operands) {
@@ -63,7 +116,8 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
   for (int c = 0; c < head_dim; ++c) max_query = std::max(max_query, static_cast<double>(std::fabs(q[c])));
   double delta = 0.0;
   std::vector<double> scores;
-  for (const auto& key : tokens.keys) {
+  for (std::size_t t = 0; t < tokens.keys.size(); ++t) {
+    const auto& key = tokens.keys[t];
     double s = 0.0, l1 = 0.0, blockwise = 0.0;
     for (int c = 0; c < head_dim; ++c) {
       s += static_cast<double>(q[c]) * key[c];
@@ -80,6 +134,14 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
     scores.push_back(s * scale);
     if (key_operands == Operands::kInt16) delta = std::max(delta, max_query / 65534.0 * l1 * scale);
     if (key_operands == Operands::kInt8) delta = std::max(delta, blockwise * scale);
+    if (key_operands == Operands::kInt16Codes && t < tokens.key_codes.size() && !tokens.key_codes[t].empty()) {
+      double qs_max = 0.0, codes = 0.0;
+      for (int c = 0; c < head_dim; ++c) {
+        qs_max = std::max(qs_max, std::fabs(static_cast<double>(q[c]) * tokens.key_scales[t][c]));
+        codes += tokens.key_codes[t][c];
+      }
+      delta = std::max(delta, qs_max / 65534.0 * codes * scale * (1.0 + 1e-4));  // fp32 products and steps
+    }
   }
   double bound = 1e-5 * max_value + 1e-6;
   if (delta > 0.0) bound += 2.0 * std::expm1(2.0 * delta) * max_value;
@@ -95,7 +157,9 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
     }
     double weights_error = 0.0;
     for (std::size_t i = 0; i < page_max_p.size(); ++i) {
-      weights_error += tokens.page_size * 0.5 / k_max * page_max_p[i] * tokens.page_max_value[i];
+      weights_error += value_operands == Operands::kInt8Codes
+                           ? page_max_p[i] / 254.0 * tokens.page_code_mass[i] * (1.0 + 1e-4)
+                           : tokens.page_size * 0.5 / k_max * page_max_p[i] * tokens.page_max_value[i];
     }
     bound += std::exp(4.0 * delta) * weights_error / l;
   }

@@ -93,14 +93,17 @@ class ReferenceCache {
       std::vector<std::byte> key_plane(q.key.plane_bytes(geometry)), value_plane(q.value.plane_bytes(geometry));
       DecodedTokens tokens;
       tokens.page_size = page_size_;
+      std::vector<std::vector<std::byte>> key_planes;  // for the bound's per-token codes
       for (index_t first = first_paged; first < paged_end; first += page_size_) {
         q.key.encode(geometry, &keys[first * d], d, key_params, key_plane.data());
+        if (bounds != nullptr) key_planes.push_back(key_plane);
         q.key.decode(geometry, key_plane.data(), key_params, &keys[first * d]);
         q.value.encode(geometry, &values[first * d], d, value_params, value_plane.data());
         q.value.decode(geometry, value_plane.data(), value_params, &values[first * d]);
         double page_max = 0.0;
         for (index_t i = first * d; i < (first + page_size_) * d; ++i) page_max = std::max(page_max, static_cast<double>(std::fabs(values[i])));
         tokens.page_max_value.push_back(page_max);
+        if (bounds != nullptr) add_value_code_mass(q.value, geometry, value_plane.data(), tokens);
       }
       if (key_rope_) {
         for (index_t t = 0; t < n; ++t) apply_rope_reference(*key_rope_, d, l.positions[t], &keys[t * d]);
@@ -109,7 +112,15 @@ class ReferenceCache {
         for (index_t t = 0; t < n; ++t) {
           tokens.keys.emplace_back(&keys[t * d], &keys[t * d] + d);
           tokens.values.emplace_back(&values[t * d], &values[t * d] + d);
-          tokens.page_of.push_back(t >= first_paged && t < paged_end ? (t - first_paged) / page_size_ : -1);
+          const bool paged = t >= first_paged && t < paged_end;
+          tokens.page_of.push_back(paged ? (t - first_paged) / page_size_ : -1);
+          if (paged) {
+            add_key_codes(q.key, geometry, key_planes[(t - first_paged) / page_size_].data(),
+                          static_cast<int>((t - first_paged) % page_size_), tokens);
+          } else {
+            tokens.key_scales.emplace_back();
+            tokens.key_codes.emplace_back();
+          }
         }
         bounds->resize(static_cast<std::size_t>(shape_.q_heads));
         for (index_t h = s * g; h < (s + 1) * g; ++h) {

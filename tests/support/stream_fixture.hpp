@@ -139,9 +139,11 @@ double error_bound(const Fixture& f, const std::vector<float>& queries, index_t 
     double page_max = 0.0;
     for (float x : v) page_max = std::max(page_max, static_cast<double>(std::fabs(x)));
     tokens.page_max_value.push_back(page_max);
+    test::add_value_code_mass(f.quantizer.value, f.geometry, f.pages[i] + f.value_offset, tokens);
     for (index_t t = 0; t < P; ++t) {
       if (!f.masks.empty() && !((f.masks[i][t / 64] >> (t % 64)) & 1u)) continue;
       tokens.keys.emplace_back(&k[t * d], &k[t * d] + d);
+      test::add_key_codes(f.quantizer.key, f.geometry, f.pages[i], t, tokens);
       if (rope != nullptr) apply_rope_reference(*rope, d, f.positions[i][t], tokens.keys.back().data());
       tokens.values.emplace_back(&v[t * d], &v[t * d] + d);
       tokens.page_of.push_back(static_cast<int>(i));
@@ -149,6 +151,8 @@ double error_bound(const Fixture& f, const std::vector<float>& queries, index_t 
   }
   for (std::size_t t = 0; t < f.tail_keys.size() / d; ++t) {
     tokens.keys.emplace_back(&f.tail_keys[t * d], &f.tail_keys[t * d] + d);
+    tokens.key_scales.emplace_back();  // the tail is fp32: no codes
+    tokens.key_codes.emplace_back();
     if (rope != nullptr) apply_rope_reference(*rope, d, f.positions.back()[t], tokens.keys.back().data());
     tokens.values.emplace_back(&f.tail_values[t * d], &f.tail_values[t * d] + d);
     tokens.page_of.push_back(-1);

@@ -24,6 +24,7 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/group_blocks.hpp"
+#include "kvpack/kernels/cpu/kivi_vnni.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
 #include "kvpack/quant/kivi.hpp"
@@ -272,14 +273,35 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
   const quant::PageGeometry geometry{run.page_size, d};
   const std::size_t row_bytes = Codec::row_bytes(geometry);
   float* qs = args.scratch;                                     // [group][head_dim]
-  float* bias = qs + static_cast<std::size_t>(args.group) * d;  // [group]
+  // [group], then (VNNI path) the int16 steps [group] and the int16 query [group][head_dim].
+  float* bias = qs + static_cast<std::size_t>(args.group) * d;
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
     for (index_t tg = 0; tg < run.page_size / Group; ++tg) {
-      fold_key_group<Bits, Group, A>(plane, geometry, tg, args.queries, args.group, qs, bias);
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + tg * L::kGroupBytes;
+#if KVPACK_KERNELS_HAVE_VNNI
+      if constexpr (Bits == 4 && std::is_same_v<A, xsimd::avx512bw>) {
+        const std::size_t meta = static_cast<std::size_t>(tg) * d * 2;
+        auto* q16 = reinterpret_cast<std::int16_t*>(bias + 2 * args.group);  // [group][head_dim]
+        if (d % 16 == 0 &&  // whole vectors of channels
+            kivi_vnni::fold_query(A{}, args.queries, args.group, d,
+                                  reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry) + meta),
+                                  reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(geometry) + meta), qs,
+                                  q16, bias + args.group, bias)) {
+          for (index_t k = 0; k < Group / 32; ++k) {
+            for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
+              kivi_vnni::score_tokens<decltype(block)::value>(
+                  codes + 16 * k, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0,
+                  scores + h0 * args.score_stride + tg * Group + 32 * k, args.score_stride);
+            });
+          }
+          continue;
+        }
+      }
+#endif
+      fold_key_group<Bits, Group, A>(plane, geometry, tg, args.queries, args.group, qs, bias);
       for_each_head_block<kivi_max_heads<L::kVectors, A>()>(args.group, [&](auto block, index_t h0) {
         score_kivi_token_group<Bits, Group, decltype(block)::value, A>(
             codes, row_bytes, d, qs + h0 * d, bias + h0, scores + h0 * args.score_stride + tg * Group,
@@ -318,14 +340,32 @@ void score_keys(A arch, std::type_identity<quant::KiviTokenCodec<Bits, Group, Pl
   }
 }
 
+/// p[0], p[stride], ..., p[(W - 1)·stride] (`lanes` holds l·stride in lane l): the hardware
+/// gather where there is one (xsimd 8.1's gather for AVX-512 is element by element).
+template <class A>
+KVPACK_ALWAYS_INLINE simd::f32<A> gather_strided(const float* p, simd::i32<A> lanes) noexcept {
+#if XSIMD_WITH_AVX512BW
+  if constexpr (std::is_same_v<A, xsimd::avx512bw>) return _mm512_i32gather_ps(lanes, p, sizeof(float));
+#endif
+#if XSIMD_WITH_AVX2
+  if constexpr (std::is_same_v<A, xsimd::fma3<xsimd::avx2>>) return _mm256_i32gather_ps(p, lanes, sizeof(float));
+#endif
+  alignas(64) std::int32_t offsets[simd::f32<A>::size];
+  alignas(64) float values[simd::f32<A>::size];
+  lanes.store_aligned(offsets);
+  for (std::size_t l = 0; l < simd::f32<A>::size; ++l) values[l] = p[offsets[l]];
+  return simd::f32<A>::load_aligned(values);
+}
+
 /// Where the fused value kernel keeps its state in the call's scratch.
 struct KiviValueScratch {
   float* sums;       ///< [group][head_dim]: Σ_t (w_t·s_t)·code_tc, channels in lane order
   float* min_sums;   ///< [group][head_dim / Group][W]: Σ_t w_t·m_t, in W partial sums
   float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group
   float* converted;  ///< [2][page_size][head_dim / Group]: the page's scales, then minimums
-  float* scales;     ///< [head_dim / Group][page_size]: the page's scales by channel group
-  float* mins;       ///< the same for the minimums
+  std::int8_t* scaled_int8;  ///< [group][page_size]: `scaled` as int8 (the VNNI path)
+  float* steps;              ///< [group]: their steps
+  float* head_max;           ///< [group]: each head's largest weight on the page
 };
 
 /// Sums of kG heads over one page for one chunk of one channel group, from the codes at `codes`
@@ -373,38 +413,62 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   s.min_sums = s.sums + static_cast<std::size_t>(args.group) * d;
   s.scaled = s.min_sums + static_cast<std::size_t>(args.group) * groups * kWidth;
   s.converted = s.scaled + static_cast<std::size_t>(args.group) * page;
-  s.scales = s.converted + 2 * metas;
-  s.mins = s.scales + metas;
+  s.steps = s.converted + 2 * metas;
+  s.head_max = s.steps + args.group;
+  s.scaled_int8 = reinterpret_cast<std::int8_t*>(s.head_max + args.group);
   std::fill(s.sums, s.scaled, 0.0f);
+  alignas(64) std::int32_t lane_tokens[kWidth];  // lane l: token l, as an offset into [token][group]
+  for (index_t l = 0; l < kWidth; ++l) lane_tokens[l] = static_cast<std::int32_t>(l * groups);
+  const auto token_stride = simd::i32<A>::load_aligned(lane_tokens);
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     // Scales and minimums are [token][channel group] fp16, contiguous: converted with whole
-    // vectors (page_size is a multiple of 16), then transposed so that each channel group's
-    // run of tokens multiplies the weights vector by vector.
+    // vectors (page_size is a multiple of 16), then gathered a channel group at a time.
     const auto* metadata = reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry));
     for (std::size_t k = 0; k < 2 * metas; k += kWidth) {
       simd::load_f16<A>(metadata + k).store_unaligned(s.converted + k);
     }
-    for (index_t t = 0; t < page; ++t) {
-      for (index_t gc = 0; gc < groups; ++gc) {
-        s.scales[gc * page + t] = s.converted[t * groups + gc];
-        s.mins[gc * page + t] = s.converted[metas + t * groups + gc];
+    const float* weights = args.weights + i * page;
+#if KVPACK_KERNELS_HAVE_VNNI
+    if constexpr (Bits == 4 && std::is_same_v<A, xsimd::avx512bw>) {
+      for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
+        batch largest(0.0f);
+        for (index_t t = 0; t < page; t += kWidth) {
+          largest = xsimd::max(largest, batch::load_unaligned(weights + h * args.weight_stride + t));
+        }
+        s.head_max[h] = simd::reduce_max<A>(largest);
       }
     }
-    const float* weights = args.weights + i * page;
+#endif
     for (index_t gc = 0; gc < groups; ++gc) {
-      for (index_t h = 0; h < args.group; ++h) {
-        const float* w = weights + h * args.weight_stride;
-        float* min_sum = s.min_sums + (h * groups + gc) * kWidth;
-        batch m = batch::load_unaligned(min_sum);
-        for (index_t t = 0; t < page; t += kWidth) {
-          const batch wt = batch::load_unaligned(w + t);
-          (wt * batch::load_unaligned(s.scales + gc * page + t)).store_unaligned(s.scaled + h * page + t);
-          m = xsimd::fma(wt, batch::load_unaligned(s.mins + gc * page + t), m);
+      batch largest_scale(0.0f);  // scales are ≥ 0
+      for (index_t t = 0; t < page; t += kWidth) {
+        const batch scale = gather_strided<A>(s.converted + t * groups + gc, token_stride);
+        const batch min = gather_strided<A>(s.converted + metas + t * groups + gc, token_stride);
+        largest_scale = xsimd::max(largest_scale, scale);
+        for (index_t h = 0; h < args.group; ++h) {
+          const batch wt = batch::load_unaligned(weights + h * args.weight_stride + t);
+          (wt * scale).store_unaligned(s.scaled + h * page + t);
+          float* min_sum = s.min_sums + (h * groups + gc) * kWidth;
+          xsimd::fma(wt, min, batch::load_unaligned(min_sum)).store_unaligned(min_sum);
         }
-        m.store_unaligned(min_sum);
       }
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
+#if KVPACK_KERNELS_HAVE_VNNI
+      if constexpr (Bits == 4 && std::is_same_v<A, xsimd::avx512bw>) {
+        // 32 channels per step, in the lane order of KiviLanes<4, Group, avx512bw>.
+        kivi_vnni::quantize_scaled_weights(A{}, s.scaled, args.group, page, s.head_max,
+                                           simd::reduce_max<A>(largest_scale), s.scaled_int8, s.steps);
+        for (index_t k = 0; k < Group / 32; ++k) {
+          for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
+            kivi_vnni::accumulate_channels<decltype(block)::value>(
+                codes + 16 * k, row_bytes, page, s.scaled_int8 + static_cast<std::size_t>(h0) * page, s.steps + h0,
+                s.sums + h0 * d + gc * Group + 32 * k, d);
+          });
+        }
+        continue;
+      }
+#endif
       for (index_t chunk = 0; chunk < L::kChunks; ++chunk) {
         for_each_head_block<kivi_max_heads<L::kVectors, A>()>(args.group, [&](auto block, index_t h0) {
           accumulate_kivi_chunk<Bits, Group, decltype(block)::value, A>(
