@@ -11,7 +11,8 @@
 /// - values (per token t, one (s_t, m_t) per group of channels):
 ///   Σ_t w_t·x̂_tc = Σ_t (w_t·s_t)·code_tc + Σ_t w_t·m_t, so each weight is scaled once per token
 ///   and channel group, and the second sum is added once per call.
-/// What is left per code is a shift, a mask, a conversion and one FMA per query head. Codes are
+/// What is left per code is a shift, a mask, a conversion and one FMA per query head; 4-bit codes
+/// on AVX-512 with VNNI take integer dot products instead (kivi_vnni.hpp). Codes are
 /// taken from whole vectors of bytes in a permuted order (KiviLanes); scores and sums are put
 /// back in order once per page or call. The per-token keys of KIVI's ablation still unpack a page
 /// into an fp32 tile and score it with the float kernels.
@@ -194,11 +195,6 @@ KVPACK_ALWAYS_INLINE void unpack_kivi_tokens(A, quant::PageGeometry g, const std
                              plane + Codec::mins_offset(g) + 2 * groups * static_cast<std::size_t>(t), 2,
                              tile + static_cast<std::size_t>(t) * g.head_dim);
   }
-}
-
-/// A run of one fp32 page at `tile` (its K or V plane at offset 0).
-KVPACK_ALWAYS_INLINE PageRun tile_run(const std::byte* const* tile, const PageRun& run) noexcept {
-  return PageRun{tile, nullptr, 1, 0, run.page_size, run.head_dim, 0, 0};
 }
 
 /// Per head, the query times the channel scales of token group `tg` (qs[h][c] = q_c·s_c) and

@@ -155,6 +155,40 @@ void accumulate_q4_0_fma(A, const AccumulateArgs<quant::NoParams>& args) noexcep
 // ---------------------------------------------------------------------------------------------
 #if KVPACK_KERNELS_HAVE_VNNI
 
+/// The query in int8 per 32-channel block: q8[h][c] · step[h][b] ≈ q[h][c].
+struct Int8Query {
+  std::int8_t* values;       // [group][head_dim]
+  float* step;               // [group][head_dim / 32]
+  std::int32_t* block_sums;  // [group][head_dim / 32]: Σ q8 over the block (the -8 offset)
+};
+
+inline Int8Query quantize_query_int8(xsimd::avx512bw, const float* q, index_t group, index_t head_dim,
+                                     float* scratch) noexcept {
+  const index_t blocks = head_dim / 32;
+  float* after_values = scratch + static_cast<std::size_t>(group) * head_dim / 4;
+  Int8Query out{reinterpret_cast<std::int8_t*>(scratch), after_values,
+                reinterpret_cast<std::int32_t*>(after_values + group * blocks)};
+  for (index_t h = 0; h < group; ++h) {
+    for (index_t b = 0; b < blocks; ++b) {
+      const float* x = q + h * head_dim + 32 * b;
+      const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const __m512 inverse = _mm512_set1_ps(1.0f / step);
+      const __m512 limit = _mm512_set1_ps(127.0f);
+      // Clamped: amax · (1/step) may round to just above 127.
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lo, inverse), -limit), limit));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inverse), -limit), limit));
+      std::int8_t* dst = out.values + h * head_dim + 32 * b;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+      out.step[h * blocks + b] = step;
+      out.block_sums[h * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+  }
+  return out;
+}
+
 /// The low and high nibbles of 64 bytes, each as unsigned bytes.
 KVPACK_ALWAYS_INLINE void split_nibbles(const std::uint8_t* p, __m512i& low, __m512i& high) noexcept {
   const __m512i raw = _mm512_loadu_si512(p);
