@@ -95,11 +95,12 @@ struct ScoreTile {
 };
 
 /// Scores of kG heads for kTiles tiles (possibly from different pages) of channel-major key
-/// planes. Channels are split over kSplit accumulator sets so that kG·kTiles·kSplit chains run.
-template <class Storage, int kG, int kTiles, class A>
-KVPACK_ALWAYS_INLINE void score_channel_major_tiles(const ScoreTile (&tiles)[kTiles], index_t page_size,
-                                                    index_t head_dim, const float* q, float scale,
-                                                    index_t stride, PagePrefetcher& prefetcher) noexcept {
+/// planes; `load(plane, c, t0)` gives channel c of tokens t0 .. t0 + W - 1 as fp32 lanes. Channels
+/// are split over kSplit accumulator sets so that kG·kTiles·kSplit chains run.
+template <int kG, int kTiles, class A, class LoadKeys>
+KVPACK_ALWAYS_INLINE void score_channel_major_tiles(const ScoreTile (&tiles)[kTiles], index_t head_dim,
+                                                    const float* q, float scale, index_t stride,
+                                                    PagePrefetcher& prefetcher, const LoadKeys& load) noexcept {
   using batch = simd::f32<A>;
   constexpr int kSplit = channel_split(kG, kTiles);
   batch acc[kSplit][kG][kTiles];
@@ -111,7 +112,7 @@ KVPACK_ALWAYS_INLINE void score_channel_major_tiles(const ScoreTile (&tiles)[kTi
     batch k[kTiles];
     KVPACK_UNROLL
     for (int i = 0; i < kTiles; ++i) {
-      k[i] = load_elements<Storage, A>(tiles[i].plane, static_cast<std::size_t>(c) * page_size + tiles[i].t0);
+      k[i] = load(tiles[i].plane, c, tiles[i].t0);
     }
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
@@ -135,26 +136,27 @@ KVPACK_ALWAYS_INLINE void score_channel_major_tiles(const ScoreTile (&tiles)[kTi
   }
 }
 
-/// Key kernel for element-wise formats (page_size must be a multiple of the vector width). The
-/// W-token tiles of the run are scored kTilesPerPass at a time (across a page boundary only when
-/// a page holds fewer tiles, e.g. 16-token pages).
-template <class Storage, class Params, class A>
-void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
+/// Scores (times `scale`) of every slot of a run of channel-major key planes, dead slots
+/// included; `load` as for score_channel_major_tiles (page_size must be a multiple of the vector
+/// width). The W-token tiles of the run are scored kTilesPerPass at a time (across a page
+/// boundary only when a page holds fewer tiles, e.g. 16-token pages).
+template <class A, class LoadKeys>
+KVPACK_ALWAYS_INLINE void score_channel_major_keys(const PageRun& run, const float* queries, index_t group,
+                                                   float* scores, index_t score_stride, float scale,
+                                                   const LoadKeys& load) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
-  const PageRun& run = args.run;
-  const float scale = plane_scale(args.params) / kLoadFactor<Storage>;
   const index_t tiles_per_page = run.page_size / kWidth;
   const index_t total_tiles = run.count * tiles_per_page;
-  for_each_head_block(args.group, [&](auto block, index_t h0) {
+  for_each_head_block(group, [&](auto block, index_t h0) {
     constexpr int kG = decltype(block)::value;
     constexpr int kTiles = kTilesPerPass;
-    const float* q = args.queries + h0 * run.head_dim;
+    const float* q = queries + h0 * run.head_dim;
     // The first head block requests the pages ahead; later blocks find them in cache.
     const bool prefetching = h0 == 0;
     auto tile = [&](index_t n) {
       const index_t page = n / tiles_per_page;
       const index_t t0 = n % tiles_per_page * kWidth;
-      return ScoreTile{run.pages[page], t0, args.scores + h0 * args.score_stride + page * run.page_size + t0};
+      return ScoreTile{run.pages[page], t0, scores + h0 * score_stride + page * run.page_size + t0};
     };
     index_t n = 0;
     for (; n + kTiles <= total_tiles; n += kTiles) {
@@ -165,16 +167,26 @@ void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
       PagePrefetcher prefetcher(run, first_page, prefetching ? pages : 0, run.head_dim / channel_split(kG, kTiles));
       ScoreTile tiles[kTiles];
       for (int i = 0; i < kTiles; ++i) tiles[i] = tile(n + i);
-      score_channel_major_tiles<Storage, kG, kTiles, A>(tiles, run.page_size, run.head_dim, q, scale,
-                                                        args.score_stride, prefetcher);
+      score_channel_major_tiles<kG, kTiles, A>(tiles, run.head_dim, q, scale, score_stride, prefetcher, load);
     }
     for (; n < total_tiles; ++n) {
       PagePrefetcher prefetcher(run, n / tiles_per_page, prefetching ? 1 : 0, run.head_dim / channel_split(kG, 1));
       const ScoreTile tiles[1] = {tile(n)};
-      score_channel_major_tiles<Storage, kG, 1, A>(tiles, run.page_size, run.head_dim, q, scale,
-                                                   args.score_stride, prefetcher);
+      score_channel_major_tiles<kG, 1, A>(tiles, run.head_dim, q, scale, score_stride, prefetcher, load);
     }
   });
+}
+
+/// Key kernel for element-wise formats (page_size must be a multiple of the vector width).
+template <class Storage, class Params, class A>
+void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
+  const PageRun& run = args.run;
+  const std::size_t page_size = static_cast<std::size_t>(run.page_size);
+  score_channel_major_keys<A>(run, args.queries, args.group, args.scores, args.score_stride,
+                              plane_scale(args.params) / kLoadFactor<Storage>,
+                              [page_size](const std::byte* plane, index_t c, index_t t0) KVPACK_ALWAYS_INLINE_LAMBDA {
+                                return load_elements<Storage, A>(plane, static_cast<std::size_t>(c) * page_size + t0);
+                              });
   if (run.live != nullptr) {
     for (index_t i = 0; i < run.count; ++i) {
       mask_dead_slots(run.live[i], run.page_size, args.group, args.scores + i * run.page_size, args.score_stride);
@@ -183,11 +195,12 @@ void score_element_keys(A, const ScoreArgs<Params>& args) noexcept {
 }
 
 /// acc[h][c0 : c0 + kChunks·W] += scale · Σ_t w[h][t] · v[t][...] for kG heads of a token-major
-/// plane; tokens are split over kSplit accumulator sets to keep kFmaChains chains in flight.
-template <class Storage, int kG, int kChunks, class A>
-KVPACK_ALWAYS_INLINE void accumulate_token_major_tile(const std::byte* plane, index_t rows,
-                                                      index_t head_dim, index_t c0, const float* w,
-                                                      index_t w_stride, float scale, float* acc) noexcept {
+/// plane, `load(plane, t, c)` giving channels c .. c + W - 1 of token t as fp32 lanes; tokens are
+/// split over kSplit accumulator sets to keep kFmaChains chains in flight.
+template <int kG, int kChunks, class A, class LoadValues>
+KVPACK_ALWAYS_INLINE void accumulate_token_major_tile(const std::byte* plane, index_t rows, index_t head_dim,
+                                                      index_t c0, const float* w, index_t w_stride, float scale,
+                                                      float* acc, const LoadValues& load) noexcept {
   using batch = simd::f32<A>;
   constexpr index_t kWidth = static_cast<index_t>(batch::size);
   constexpr int kSplit = kG * kChunks >= kFmaChains ? 1 : kFmaChains / (kG * kChunks);
@@ -199,7 +212,7 @@ KVPACK_ALWAYS_INLINE void accumulate_token_major_tile(const std::byte* plane, in
     batch v[kChunks];
     KVPACK_UNROLL
     for (int j = 0; j < kChunks; ++j) {
-      v[j] = load_elements<Storage, A>(plane, static_cast<std::size_t>(t) * head_dim + c0 + j * kWidth);
+      v[j] = load(plane, t, c0 + j * kWidth);
     }
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
@@ -224,31 +237,46 @@ KVPACK_ALWAYS_INLINE void accumulate_token_major_tile(const std::byte* plane, in
   }
 }
 
+/// acc[h][c] += scale · Σ_t w[h][t] · v[t][c] for every head of the group and the channels
+/// c < head_dim − head_dim % W of one token-major plane of `rows` tokens; `load` as for
+/// accumulate_token_major_tile. The caller adds the channels left over.
+template <class A, class LoadValues>
+KVPACK_ALWAYS_INLINE void accumulate_token_major_vectors(const std::byte* plane, index_t rows, index_t head_dim,
+                                                         const float* w, index_t w_stride, index_t group, float scale,
+                                                         float* acc, const LoadValues& load) noexcept {
+  constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
+  const index_t vector_end = head_dim - head_dim % kWidth;
+  for_each_head_block(group, [&](auto block, index_t h0) {
+    constexpr int kG = decltype(block)::value;
+    const float* head_w = w + h0 * w_stride;
+    float* head_acc = acc + h0 * head_dim;
+    index_t c0 = 0;
+    for (; c0 + kTilesPerPass * kWidth <= vector_end; c0 += kTilesPerPass * kWidth) {
+      accumulate_token_major_tile<kG, kTilesPerPass, A>(plane, rows, head_dim, c0, head_w, w_stride, scale, head_acc,
+                                                        load);
+    }
+    for (; c0 < vector_end; c0 += kWidth) {
+      accumulate_token_major_tile<kG, 1, A>(plane, rows, head_dim, c0, head_w, w_stride, scale, head_acc, load);
+    }
+  });
+}
+
 /// Value kernel for element-wise formats; any page_size, any head_dim.
 template <class Storage, class Params, class A>
 void accumulate_element_values(A, const AccumulateArgs<Params>& args) noexcept {
   constexpr index_t kWidth = static_cast<index_t>(simd::f32<A>::size);
   const PageRun& run = args.run;
   const float scale = plane_scale(args.params);
-  const float vector_scale = scale / kLoadFactor<Storage>;
+  const std::size_t head_dim = static_cast<std::size_t>(run.head_dim);
+  auto load = [head_dim](const std::byte* plane, index_t t, index_t c) KVPACK_ALWAYS_INLINE_LAMBDA {
+    return load_elements<Storage, A>(plane, static_cast<std::size_t>(t) * head_dim + c);
+  };
   const index_t vector_end = run.head_dim - run.head_dim % kWidth;
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     const float* w = args.weights + i * run.page_size;
-    for_each_head_block(args.group, [&](auto block, index_t h0) {
-      constexpr int kG = decltype(block)::value;
-      index_t c0 = 0;
-      for (; c0 + kTilesPerPass * kWidth <= vector_end; c0 += kTilesPerPass * kWidth) {
-        accumulate_token_major_tile<Storage, kG, kTilesPerPass, A>(plane, run.page_size, run.head_dim, c0,
-                                                                   w + h0 * args.weight_stride, args.weight_stride,
-                                                                   vector_scale, args.acc + h0 * run.head_dim);
-      }
-      for (; c0 < vector_end; c0 += kWidth) {
-        accumulate_token_major_tile<Storage, kG, 1, A>(plane, run.page_size, run.head_dim, c0,
-                                                       w + h0 * args.weight_stride, args.weight_stride,
-                                                       vector_scale, args.acc + h0 * run.head_dim);
-      }
-    });
+    accumulate_token_major_vectors<A>(plane, run.page_size, run.head_dim, w, args.weight_stride, args.group,
+                                      scale / kLoadFactor<Storage>, args.acc, load);
     for (index_t c = vector_end; c < run.head_dim; ++c) {
       for (index_t h = 0; h < args.group; ++h) {
         float sum = 0.0f;
