@@ -74,10 +74,10 @@ KVPACK_ALWAYS_INLINE void unpack_nuq_keys(A arch, quant::PageGeometry g, const s
                                           const quant::KVQuantKeyParams& p, float* tile, std::size_t t_stride,
                                           std::size_t c_stride) noexcept {
   using Codec = quant::KVQuantKeyCodec<Bits>;
-  alignas(64) float levels[16] = {};
-  const int size = p.codebook->size;
+  alignas(64) float levels[16];
   for (index_t c = 0; c < g.head_dim; ++c) {
-    for (int k = 0; k < size; ++k) levels[k] = p.codebook->levels[k] * p.half_range[c] + p.offset[c];
+    // All 16 entries, as the codec's decode reads them (zero levels past the codebook's size).
+    for (int k = 0; k < 16; ++k) levels[k] = p.codebook->levels[k] * p.half_range[c] + p.offset[c];
     unpack_nuq_row<Bits>(arch, plane + Codec::row_bytes(g) * c, g.page_size, levels, tile + c * c_stride, t_stride);
   }
   apply_nuq_outliers(plane + Codec::outliers_offset(g), quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g),
@@ -221,13 +221,38 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   }
 }
 
+/// out[j·rows + i] = in[i·cols + j] for a rows × cols matrix (both multiples of 4), by 4 × 4
+/// blocks in SSE registers.
+inline void transpose_by_4x4(const float* in, index_t rows, index_t cols, float* out) noexcept {
+  for (index_t i = 0; i < rows; i += 4) {
+    for (index_t j = 0; j < cols; j += 4) {
+      const float* block = in + static_cast<std::size_t>(i) * cols + j;
+      __m128 r0 = _mm_loadu_ps(block), r1 = _mm_loadu_ps(block + cols), r2 = _mm_loadu_ps(block + 2 * cols),
+             r3 = _mm_loadu_ps(block + 3 * cols);
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+      float* to = out + static_cast<std::size_t>(j) * rows + i;
+      _mm_storeu_ps(to, r0);
+      _mm_storeu_ps(to + rows, r1);
+      _mm_storeu_ps(to + 2 * rows, r2);
+      _mm_storeu_ps(to + 3 * rows, r3);
+    }
+  }
+}
+
 /// Pre-RoPE keys: token-major, for rope.hpp's rotation (which must be included after this file
-/// to see this overload).
+/// to see this overload). Rows are unpacked whole vectors at a time into `spare`, channel-major
+/// as they are stored, and transposed: writing each code to its token's row directly costs a
+/// shift, a mask, a load and a strided store per code.
 template <int Bits, class A>
 KVPACK_ALWAYS_INLINE void decode_key_rows(A arch, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
                                           quant::PageGeometry g, const std::byte* plane,
-                                          const quant::KVQuantKeyParams& params, float* rows) noexcept {
-  unpack_nuq_keys<Bits>(arch, g, plane, params, rows, g.head_dim, 1);
+                                          const quant::KVQuantKeyParams& params, float* rows, float* spare) noexcept {
+  if (g.page_size % 4 == 0 && g.head_dim % 4 == 0) {
+    unpack_nuq_keys<Bits>(arch, g, plane, params, spare, 1, static_cast<std::size_t>(g.page_size));
+    transpose_by_4x4(spare, g.head_dim, g.page_size, rows);
+  } else {
+    unpack_nuq_keys<Bits>(arch, g, plane, params, rows, static_cast<std::size_t>(g.head_dim), 1);
+  }
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -58,11 +58,11 @@ KVPACK_ALWAYS_INLINE void rotate_row(A, const RopeView& rope, std::int32_t posit
 }
 
 /// A key page as token-major fp32 rows: the codec's own scalar decoder, for every codec without
-/// a faster overload.
+/// a faster overload. `spare` (page_size · head_dim floats) is free for an overload's staging.
 template <class KeyCodec, class A>
 KVPACK_ALWAYS_INLINE void decode_key_rows(A, std::type_identity<KeyCodec>, quant::PageGeometry g,
                                           const std::byte* plane, const typename KeyCodec::params_type& params,
-                                          float* rows) noexcept {
+                                          float* rows, float* /*spare*/) noexcept {
   KeyCodec{}.decode(g, plane, params, rows);
 }
 
@@ -77,7 +77,7 @@ void score_rotated_keys(A arch, std::type_identity<KeyCodec> codec,
   float* rotated = decoded + static_cast<std::size_t>(page) * d;       // [page_size][head_dim]
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
-    decode_key_rows(arch, codec, quant::PageGeometry{page, d}, run.pages[i], score.params, decoded);
+    decode_key_rows(arch, codec, quant::PageGeometry{page, d}, run.pages[i], score.params, decoded, rotated);
     for (index_t t = 0; t < page; ++t) {
       rotate_row(arch, args.rope, args.positions[i][t], decoded + static_cast<std::size_t>(t) * d,
                  rotated + static_cast<std::size_t>(t) * d);
