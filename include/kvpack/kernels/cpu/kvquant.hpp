@@ -4,14 +4,13 @@
 ///        sums are computed from the packed codes through a 16-lane table of the codebook's levels
 ///        (one permute per vector of codes), the per-vector ranges folded into the operand that
 ///        multiplies them (the query for keys, the weights for values), and each outlier added as
-///        a correction x − x̂. Pre-RoPE keys are still unpacked into an fp32 tile, token-major, for
-///        rope.hpp's rotation.
+///        a correction x − x̂. Pre-RoPE keys are still decoded to fp32 rows for rope.hpp's
+///        rotation (unpacked channel-major as stored, then transposed).
 ///
 /// Codes are read eight at a time: eight b-bit codes are exactly b bytes, one little-endian word.
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "kvpack/kernels/cpu/float.hpp"
@@ -46,7 +45,7 @@ KVPACK_ALWAYS_INLINE void unpack_nuq_row(A, const std::byte* row, index_t count,
 /// Calls f(t, c, exact) for each outlier a page's section holds. The index t·head_dim + c is
 /// split by a multiply instead of a division: with c = ⌈2³²/d⌉, ⌊n/d⌋ = ⌊c·n/2³²⌋ exactly for
 /// 16-bit n and d (Lemire, Kaser & Kurz, "Faster remainder by direct computation", 2019).
-template <class F>
+template <class A, class F>
 KVPACK_ALWAYS_INLINE void for_each_nuq_outlier(const std::byte* section, std::size_t capacity, index_t head_dim,
                                                F&& f) noexcept {
   using quant::kvquant_detail::get_u16;
@@ -55,15 +54,15 @@ KVPACK_ALWAYS_INLINE void for_each_nuq_outlier(const std::byte* section, std::si
   for (std::size_t i = 0; i < count; ++i) {
     const std::uint64_t index = get_u16(section + 2 + 2 * i);
     const auto t = static_cast<index_t>((index * magic) >> 32);
-    f(t, static_cast<index_t>(index) - t * head_dim, simd::f16_to_f32(get_u16(section + 2 + 2 * capacity + 2 * i)));
+    f(t, static_cast<index_t>(index) - t * head_dim, simd::f16_to_f32<A>(get_u16(section + 2 + 2 * capacity + 2 * i)));
   }
 }
 
 /// Writes the page's exact outliers over a decoded tile, element (t, c) at tile[t·t_stride + c·c_stride].
-KVPACK_ALWAYS_INLINE_LAMBDA inline void apply_nuq_outliers(const std::byte* section, std::size_t capacity,
-                                                           index_t head_dim, float* tile, std::size_t t_stride,
-                                                           std::size_t c_stride) noexcept {
-  for_each_nuq_outlier(section, capacity, head_dim, [&](index_t t, index_t c, float exact) {
+template <class A>
+KVPACK_ALWAYS_INLINE void apply_nuq_outliers(const std::byte* section, std::size_t capacity, index_t head_dim,
+                                             float* tile, std::size_t t_stride, std::size_t c_stride) noexcept {
+  for_each_nuq_outlier<A>(section, capacity, head_dim, [&](index_t t, index_t c, float exact) {
     tile[static_cast<std::size_t>(t) * t_stride + static_cast<std::size_t>(c) * c_stride] = exact;
   });
 }
@@ -80,7 +79,7 @@ KVPACK_ALWAYS_INLINE void unpack_nuq_keys(A arch, quant::PageGeometry g, const s
     for (int k = 0; k < 16; ++k) levels[k] = p.codebook->levels[k] * p.half_range[c] + p.offset[c];
     unpack_nuq_row<Bits>(arch, plane + Codec::row_bytes(g) * c, g.page_size, levels, tile + c * c_stride, t_stride);
   }
-  apply_nuq_outliers(plane + Codec::outliers_offset(g), quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g),
+  apply_nuq_outliers<A>(plane + Codec::outliers_offset(g), quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g),
                      g.head_dim, tile, t_stride, c_stride);
 }
 
@@ -137,7 +136,7 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
       for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] += bias[h];
     }
     const std::byte* plane = run.pages[i];
-    for_each_nuq_outlier(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
+    for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
       const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(c), t);
       const float correction = exact - (levels.level[code] * p.half_range[c] + p.offset[c]);
       for (index_t h = 0; h < args.group; ++h) scores[h * args.score_stride + t] += args.queries[h * d + c] * correction;
@@ -182,8 +181,8 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       simd::load_f16<A>(offsets + t).store_unaligned(offset + t);
     }
     for (index_t t = vector_tokens; t < P; ++t) {
-      range[t] = simd::f16_to_f32(quant::kvquant_detail::get_u16(plane + Codec::ranges_offset(g) + 2 * t));
-      offset[t] = simd::f16_to_f32(quant::kvquant_detail::get_u16(plane + Codec::offsets_offset(g) + 2 * t));
+      range[t] = simd::f16_to_f32<A>(quant::kvquant_detail::get_u16(plane + Codec::ranges_offset(g) + 2 * t));
+      offset[t] = simd::f16_to_f32<A>(quant::kvquant_detail::get_u16(plane + Codec::offsets_offset(g) + 2 * t));
     }
     for (index_t h = 0; h < args.group; ++h) {
       const float* wh = w + h * args.weight_stride;
@@ -210,7 +209,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
         args.acc[h * d + c] += sum;
       }
     }
-    for_each_nuq_outlier(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
+    for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
       const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(t), c);
       const float correction = exact - (levels.level[code] * range[t] + offset[t]);
       for (index_t h = 0; h < args.group; ++h) args.acc[h * d + c] += w[h * args.weight_stride + t] * correction;

@@ -73,14 +73,14 @@ KVPACK_ALWAYS_INLINE f32<A> load_f16(const std::uint16_t* p) noexcept {
   return load_f16<A>(p, A{});
 }
 
-/// One fp16 value as fp32: F16C's conversion where the target has it (the portable one is a
-/// dozen integer operations).
+/// One fp16 value as fp32: F16C's conversion on the AVX2 and AVX-512 targets (built with F16C,
+/// like load_f16); the portable one is a dozen integer operations.
+template <class A>
 KVPACK_ALWAYS_INLINE float f16_to_f32(std::uint16_t bits) noexcept {
 #if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(half::from_bits(bits));
+  if constexpr (std::is_base_of_v<xsimd::avx2, A> || std::is_base_of_v<xsimd::avx512f, A>) return _cvtsh_ss(bits);
 #endif
+  return static_cast<float>(half::from_bits(bits));
 }
 
 // --- bfloat16: the upper half of an fp32 ----------------------------------------------------
