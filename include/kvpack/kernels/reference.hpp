@@ -79,7 +79,9 @@ void attend_stream(const KeyCodec& key_codec, const ValueCodec& value_codec, con
       sum += w;
       for (index_t c = 0; c < d; ++c) acc[c] += w * rows[t][c];
     }
-    for (index_t c = 0; c < d; ++c) out[h * d + c] = sum > 0.0 ? static_cast<float>(acc[c] / sum) : 0.0f;
+    // No token (or none with weight): 0. A NaN sum (an infinite score: exp(inf − inf)) stays NaN.
+    const bool weighted = sum > 0.0 || std::isnan(sum);
+    for (index_t c = 0; c < d; ++c) out[h * d + c] = weighted ? static_cast<float>(acc[c] / sum) : 0.0f;
   }
 }
 

@@ -228,6 +228,23 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KVQuant, post- and pre-R
   }
 }
 
+TEMPLATE_TEST_CASE("KVQuant's outlier corrections carry NaN and Inf like the reference", "[kernels][cpu][kvquant]",
+                   quant::KVQuant<2>, quant::KVQuant<3>, quant::KVQuant<4>) {
+  // Non-finite elements lie outside every range, so the codec keeps them exactly as outliers and
+  // the fused kernels add them as corrections q·(x − x̂) and w·(x − x̂).
+  const index_t page_size = 32, head_dim = 64, pages = 3, tail = 2, group = 4;
+  const std::size_t rows = static_cast<std::size_t>(pages) * page_size + tail;
+  auto keys = test::random_rows(rows, head_dim, 91, 4, 10.0f);
+  auto values = test::random_rows(rows, head_dim, 92);
+  keys[20 * head_dim + 5] = std::numeric_limits<float>::infinity();
+  keys[70 * head_dim + 9] = -std::numeric_limits<float>::infinity();
+  values[37 * head_dim + 3] = std::numeric_limits<float>::quiet_NaN();
+  values[50 * head_dim + 7] = -std::numeric_limits<float>::infinity();
+  auto queries = test::random_rows(group, head_dim, 93);
+  for (float& q : queries) q /= 8.0f;
+  check_all_isas<TestType>(page_size, head_dim, pages, tail, group, keys, values, queries, false);
+}
+
 }  // namespace
 
 namespace {
