@@ -25,6 +25,7 @@
 #include "kvpack/evict/attention_scores.hpp"
 #include "kvpack/evict/evict_concepts.hpp"
 #include "kvpack/evict/keep_all.hpp"
+#include "kvpack/kernels/attend_latent.hpp"
 #include "kvpack/kernels/attend_stream.hpp"
 #include "kvpack/layout/layout_concepts.hpp"
 #include "kvpack/paging/page_pool.hpp"
@@ -107,6 +108,12 @@ class KVCache {
                 "Selector that skips pages: tokens on unread pages would never be scored");
   static_assert(Selector::kReadsAllPages || std::is_same_v<Selector, select::Quest>,
                 "KVCache applies select::Quest; another selector that skips pages needs its own path");
+  /// layout::MLA: one latent stream per layer, scored on [value plane ; key plane].
+  static constexpr bool kLatent = layout::scores_latent<Layout>;
+  static_assert(!kLatent || (!Evictor::kDropsTokens && Selector::kReadsAllPages),
+                "layout::MLA supports neither eviction nor Quest yet: its one stream is read by every "
+                "query head, so token scores and page bounds must be aggregated over all of them (and "
+                "Quest's summaries span the latent and RoPE planes); use evict::KeepAll and select::DenseRead");
 
  public:
   using layout_type = Layout;
@@ -159,8 +166,14 @@ class KVCache {
                    detail::message("select::Quest scores pages for at most 64 query heads per KV head and "
                                    "head_dim 1024, got ", shape_.group_size(), " and ", key_dim_));
     }
-    KVPACK_CHECK(key_dim_ == value_dim_, kUnsupported,
+    KVPACK_CHECK(kLatent || key_dim_ == value_dim_, kUnsupported,
                  "KVCache's attention kernels need key and value rows of the same width");
+    if constexpr (kLatent) {
+      // DeepSeek-V2 caches k^R after RoPE; rotating at read time would need the latent kernel to
+      // rotate its tile.
+      KVPACK_CHECK(!config_.key_rope.has_value(), kUnsupported,
+                   "layout::MLA stores the decoupled RoPE key after rotation: CacheConfig.key_rope must be unset");
+    }
     key_params_.reserve(static_cast<std::size_t>(cache_layers_) * streams_);
     value_params_.reserve(key_params_.capacity());
     for (index_t layer = 0; layer < cache_layers_; ++layer) {
@@ -379,8 +392,9 @@ class KVCache {
     const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
     const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
     KVPACK_CHECK(key.size() == key_row && value.size() == value_row, kInvalidArgument,
-                 detail::message("append: key and value must hold kv_heads * head_dim = ", key_row,
-                                 " elements, got ", key.size(), " and ", value.size()));
+                 detail::message("append: key and value must hold ", key_row, " and ", value_row,
+                                 " elements (kv_heads * head_dim; layout::MLA: rope_dim and latent_dim), got ",
+                                 key.size(), " and ", value.size()));
     LayerState& state = sequence.layers[layer];
     KVPACK_CHECK(position > state.last_position, kInvalidArgument,
                  detail::message("append: position ", position, " must be greater than the layer's last (",
@@ -429,10 +443,12 @@ class KVCache {
     const Sequence& sequence = find(seq, "attend");
     const index_t model_layer = layer;
     layer = stored_layer(layer, "attend");
-    const std::size_t row = static_cast<std::size_t>(shape_.q_heads) * shape_.head_dim;
-    KVPACK_CHECK(query.size() == row && out.size() == row, kInvalidArgument,
-                 detail::message("attend: query and out must hold q_heads * head_dim = ", row,
-                                 " elements, got ", query.size(), " and ", out.size()));
+    const std::size_t query_row = static_cast<std::size_t>(shape_.q_heads) * layout::query_dim(layout_, shape_);
+    const std::size_t out_row = static_cast<std::size_t>(shape_.q_heads) * value_dim_;
+    KVPACK_CHECK(query.size() == query_row && out.size() == out_row, kInvalidArgument,
+                 detail::message("attend: query and out must hold ", query_row, " and ", out_row,
+                                 " elements (q_heads * ", kLatent ? "(latent_dim + rope_dim)" : "head_dim", " and q_heads * ",
+                                 kLatent ? "latent_dim" : "head_dim", "), got ", query.size(), " and ", out.size()));
     KVPACK_CHECK(std::isfinite(scale), kInvalidArgument, detail::message("attend: scale ", scale, " is not finite"));
     const LayerState& state = sequence.layers[layer];
     KVPACK_CHECK(state.tokens > 0, kInvalidArgument,
@@ -455,6 +471,10 @@ class KVCache {
       report->heads.assign(static_cast<std::size_t>(shape_.q_heads), select::UnreadBound{});
       report->read_pages.resize(static_cast<std::size_t>(streams_));
       report->fired = false;
+    }
+    if constexpr (kLatent) {
+      attend_latent(state, layer, q, out, scale, report);
+      return;
     }
     std::vector<std::size_t> pages_read(report != nullptr ? static_cast<std::size_t>(streams_) : 0);
     const auto kernel_set = kernels::KernelSet<KeyCodec, ValueCodec>::selected();
@@ -738,6 +758,38 @@ class KVCache {
       });
     }
   };
+
+  /// attend for layout::MLA: one stream, every query head, nothing dropped or skipped (the
+  /// static_asserts above), so every page is read and a report's bound is exactly 0.
+  void attend_latent(const LayerState& state, index_t layer, std::span<const float> q, std::span<float> out,
+                     float scale, AttendReport* report) const {
+    thread_local kernels::Workspace workspace;
+    thread_local std::vector<float> scaled_queries;
+    thread_local std::vector<float> tile;
+    thread_local std::vector<const std::byte*> page_pointers;
+    static const std::vector<PageId> kNoPages;
+    const std::vector<PageId>& table = state.tables.empty() ? kNoPages : state.tables[0];
+    const index_t group = shape_.q_heads;
+    scaled_queries.resize(q.size());
+    for (std::size_t i = 0; i < q.size(); ++i) scaled_queries[i] = q[i] * scale;
+    page_pointers.resize(table.size());
+    for (std::size_t i = 0; i < table.size(); ++i) page_pointers[i] = pool_.payload(table[i]);
+    workspace.prepare(group, value_dim_ + key_dim_, config_.page_size, state.rows_count());
+    tile.resize(kernels::latent_tile_floats(config_.page_size, value_dim_, key_dim_, state.rows_count()));
+    const kernels::PageRun run{page_pointers.data(), nullptr, static_cast<index_t>(table.size()), 0,
+                               config_.page_size, value_dim_, value_plane_offset(), pool_.format().payload_bytes};
+    const kernels::TailView tail{state.tail_keys.data(), state.tail_values.data(), state.rows_count(), nullptr};
+    const std::size_t p = static_cast<std::size_t>(layer);
+    const kernels::LatentCodecs<KeyCodec, ValueCodec> codecs{&quantizer_.key, key_params_[p], &quantizer_.value,
+                                                             value_params_[p]};
+    kernels::attend_latent_stream(run, key_dim_, codecs, tail, scaled_queries.data(), group, out.data(), workspace,
+                                  tile.data(), kernels::LatentKernelSet<ValueCodec>::selected());
+    if (report != nullptr) {
+      report->read_pages[0].resize(table.size());
+      std::iota(report->read_pages[0].begin(), report->read_pages[0].end(), index_t{0});
+      report->pages_read = report->pages_total = table.size();
+    }
+  }
   /// Where a token of a stream lives: slot `slot` of page `page` of its table, or, when page is
   /// -1, full-precision row `slot`.
   struct SlotRef {

@@ -19,6 +19,7 @@
 #include "kvpack/executor.hpp"
 #include "kvpack/layout/cross_layer.hpp"
 #include "kvpack/layout/gqa.hpp"
+#include "kvpack/layout/mla.hpp"
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/int8.hpp"

@@ -56,4 +56,18 @@ template <Layout L>
   }
 }
 
+/// Floats per query head that KVCache::attend takes: head_dim, or the layout's own query_dim.
+template <Layout L>
+[[nodiscard]] constexpr index_t query_dim(const L& l, const ModelShape& shape) noexcept {
+  if constexpr (requires { l.query_dim(shape); }) {
+    return l.query_dim(shape);
+  } else {
+    return l.key_dim(shape);
+  }
+}
+
+/// Whether attend also scores the value plane (layout::MLA's latent).
+template <Layout L>
+inline constexpr bool scores_latent = requires { requires L::kScoresLatent; };
+
 }  // namespace kvpack::inline v0::layout

@@ -1,0 +1,152 @@
+#pragma once
+/// \file attend_latent.hpp
+/// \brief Absorbed MLA decode attention over one latent stream (layout::MLA): every query head
+///        scores [latent ; RoPE key] and sums the latents, reading the stream once.
+///
+/// With 128 query heads on one stream, each token costs 128·(latent + rope + latent) FMAs for
+/// its latent + rope bytes: on a CPU this is arithmetic-bound, not bandwidth-bound, at every
+/// format. So the key side decodes one page at a time (the codecs' own decoders) into a
+/// channel-major fp32 tile [latent + rope][page_size] in L1/L2 and scores it with the fp32
+/// channel-major kernel, whose register blocks reuse each loaded key vector across heads; the
+/// decode is a small share of the work. The values are the same latent, summed straight from the
+/// page bytes by the value codec's accumulate kernel.
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <vector>
+
+#include "kvpack/dispatch.hpp"
+#include "kvpack/kernels/attend_stream.hpp"
+#include "kvpack/kernels/kernel_args.hpp"
+#include "kvpack/quant/float.hpp"
+#include "kvpack/quant/quant_concepts.hpp"
+
+namespace kvpack::inline v0::kernels {
+
+/// The kernels latent attention calls, bound to one instruction set.
+template <quant::Codec ValueCodec>
+struct LatentKernelSet {
+  using TileScores = cpu::ScoreKeys<quant::FloatCodec<float, Plane::kKey>>;
+  using RowValues = cpu::AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
+  dispatch::CpuFunction<TileScores> score_tile;
+  dispatch::CpuFunction<cpu::AccumulateValues<ValueCodec>> accumulate;
+  dispatch::CpuFunction<cpu::SoftmaxUpdate> softmax;
+  dispatch::CpuFunction<cpu::ScoreRows> score_rows;
+  dispatch::CpuFunction<RowValues> accumulate_rows;
+
+  /// The kernels dispatch selects for this CPU (or KVPACK_ISA).
+  static LatentKernelSet selected() {
+    return {dispatch::cpu_kernel<TileScores>(), dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>(),
+            dispatch::cpu_kernel<cpu::SoftmaxUpdate>(), dispatch::cpu_kernel<cpu::ScoreRows>(),
+            dispatch::cpu_kernel<RowValues>()};
+  }
+  /// The kernels compiled for `Arch` (see dispatch::cpu_kernel_for).
+  template <class Arch>
+  static LatentKernelSet for_arch() noexcept {
+    return {dispatch::cpu_kernel_for<TileScores, Arch>(),
+            dispatch::cpu_kernel_for<cpu::AccumulateValues<ValueCodec>, Arch>(),
+            dispatch::cpu_kernel_for<cpu::SoftmaxUpdate, Arch>(), dispatch::cpu_kernel_for<cpu::ScoreRows, Arch>(),
+            dispatch::cpu_kernel_for<RowValues, Arch>()};
+  }
+};
+
+/// The codecs of one latent stream and their parameters: the key plane holds the RoPE keys
+/// (rope_dim), the value plane the latents (latent_dim).
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+struct LatentCodecs {
+  const KeyCodec* rope = nullptr;
+  typename KeyCodec::params_type rope_params{};
+  const ValueCodec* latent = nullptr;
+  typename ValueCodec::params_type latent_params{};
+};
+
+/// Floats of `tile` latent attention needs besides the Workspace: one page decoded, token-major
+/// and channel-major, and the tail's rows joined.
+[[nodiscard]] constexpr std::size_t latent_tile_floats(index_t page_size, index_t latent_dim, index_t rope_dim,
+                                                       index_t tail_tokens) noexcept {
+  const std::size_t width = static_cast<std::size_t>(latent_dim) + rope_dim;
+  const std::size_t rows = std::max<std::size_t>(page_size, tail_tokens);
+  return 2 * rows * width;
+}
+
+/// out[h] = softmax(q[h] · [c ; k^R]) · c over every live slot of `pages` and every row of
+/// `tail`, for `group` query heads of width latent_dim + rope_dim (softmax scale applied);
+/// `out` is [group][latent_dim]. `pages.head_dim` is latent_dim and `pages.value_offset` points
+/// at the latent plane; `tail.keys` are [count][rope_dim] and `tail.values` [count][latent_dim].
+/// The workspace must have been prepared for (group, latent_dim + rope_dim, page_size,
+/// tail.count) and `tile` must hold latent_tile_floats(...) floats.
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+void attend_latent_stream(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyCodec, ValueCodec>& codecs,
+                          const TailView& tail, const float* queries, index_t group, float* out,
+                          const Workspace& ws, float* tile, const LatentKernelSet<ValueCodec>& kernels) noexcept {
+  const index_t latent_dim = pages.head_dim;
+  const index_t width = latent_dim + rope_dim;
+  const index_t page_size = pages.page_size;
+  std::fill_n(ws.running_max(), group, -std::numeric_limits<float>::infinity());
+  std::fill_n(ws.running_sum(), group, 0.0f);
+  std::fill_n(ws.acc(), static_cast<std::size_t>(group) * latent_dim, 0.0f);
+  const SoftmaxArgs softmax_base{ws.scores(), 0, ws.score_stride(), group, ws.running_max(),
+                                 ws.running_sum(), ws.acc(), latent_dim};
+  float* rows = tile + static_cast<std::size_t>(page_size) * width;  // token-major staging
+
+  const index_t chunk_pages = std::max<index_t>(1, Workspace::kChunkTokens / page_size);
+  for (index_t first = 0; first < pages.count; first += chunk_pages) {
+    const index_t count = std::min(chunk_pages, pages.count - first);
+    for (index_t i = 0; i < count; ++i) {
+      const std::byte* payload = pages.pages[first + i];
+      // Channel-major, as the fp32 key plane stores it: latent channels, then the RoPE key's.
+      codecs.latent->decode({page_size, latent_dim}, payload + pages.value_offset, codecs.latent_params, rows);
+      for (index_t t = 0; t < page_size; ++t) {
+        for (index_t c = 0; c < latent_dim; ++c) tile[c * page_size + t] = rows[t * latent_dim + c];
+      }
+      codecs.rope->decode({page_size, rope_dim}, payload, codecs.rope_params, rows);
+      for (index_t t = 0; t < page_size; ++t) {
+        for (index_t c = 0; c < rope_dim; ++c) tile[(latent_dim + c) * page_size + t] = rows[t * rope_dim + c];
+      }
+      const std::byte* tile_bytes = reinterpret_cast<const std::byte*>(tile);
+      const std::uint64_t* const* live = pages.live != nullptr ? pages.live + first + i : nullptr;
+      const PageRun one{&tile_bytes, live, 1, 0, page_size, width, 0, 0};
+      kernels.score_tile({one, quant::NoParams{}, queries, group, ws.scores() + i * page_size, ws.score_stride(),
+                          ws.scratch()});
+    }
+    SoftmaxArgs step = softmax_base;
+    step.count = count * page_size;
+    kernels.softmax(step);
+    PageRun run = pages;
+    run.pages = pages.pages + first;
+    run.live = pages.live != nullptr ? pages.live + first : nullptr;
+    run.count = count;
+    run.prefetch = pages.count - first - count;
+    kernels.accumulate({run, codecs.latent_params, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
+  }
+
+  if (tail.count > 0) {
+    // Tail rows joined as [latent ; rope] so one dot product per head scores each.
+    for (index_t r = 0; r < tail.count; ++r) {
+      std::copy_n(tail.values + static_cast<std::size_t>(r) * latent_dim, latent_dim, tile + r * width);
+      std::copy_n(tail.keys + static_cast<std::size_t>(r) * rope_dim, rope_dim, tile + r * width + latent_dim);
+    }
+    kernels.score_rows({tile, tail.count, width, width, queries, group, ws.scores(), ws.score_stride()});
+    if (tail.live != nullptr) {
+      for (index_t r = 0; r < tail.count; ++r) {
+        if (tail.live[r] != 0) continue;
+        for (index_t h = 0; h < group; ++h) ws.scores()[h * ws.score_stride() + r] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    SoftmaxArgs step = softmax_base;
+    step.count = tail.count;
+    kernels.softmax(step);
+    const std::byte* values = reinterpret_cast<const std::byte*>(tail.values);
+    const PageRun run{&values, nullptr, 1, 0, tail.count, latent_dim, 0, 0};
+    kernels.accumulate_rows({run, quant::NoParams{}, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
+  }
+
+  for (index_t h = 0; h < group; ++h) {
+    const float sum = ws.running_sum()[h];
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (index_t c = 0; c < latent_dim; ++c) out[h * latent_dim + c] = ws.acc()[h * latent_dim + c] * inverse;
+  }
+}
+
+}  // namespace kvpack::inline v0::kernels
