@@ -760,30 +760,70 @@ class KVCache {
   };
 
   /// attend for layout::MLA: one stream, every query head, nothing dropped or skipped (the
-  /// static_asserts above), so every page is read and a report's bound is exactly 0.
+  /// static_asserts above), so every page is read and a report's bound is exactly 0. With an
+  /// executor, the pages are split into runs of whole chunks whose softmax states are merged
+  /// (split-K): the one stream is arithmetic-bound on a CPU, so it needs every core.
   void attend_latent(const LayerState& state, index_t layer, std::span<const float> q, std::span<float> out,
                      float scale, AttendReport* report) const {
-    thread_local kernels::Workspace workspace;
+    /// Most runs one call splits into: enough for the cores of a CPU socket, few enough that
+    /// each run's pages amortise its workspace and the merge.
+    constexpr index_t kMaxRuns = 8;
     thread_local std::vector<float> scaled_queries;
-    thread_local std::vector<float> tile;
     thread_local std::vector<const std::byte*> page_pointers;
+    thread_local std::vector<kernels::LatentPartial> partials;
     static const std::vector<PageId> kNoPages;
     const std::vector<PageId>& table = state.tables.empty() ? kNoPages : state.tables[0];
     const index_t group = shape_.q_heads;
+    const index_t pages = static_cast<index_t>(table.size());
     scaled_queries.resize(q.size());
     for (std::size_t i = 0; i < q.size(); ++i) scaled_queries[i] = q[i] * scale;
     page_pointers.resize(table.size());
     for (std::size_t i = 0; i < table.size(); ++i) page_pointers[i] = pool_.payload(table[i]);
-    workspace.prepare(group, value_dim_ + key_dim_, config_.page_size, state.rows_count());
-    tile.resize(kernels::latent_tile_floats(config_.page_size, value_dim_, key_dim_, state.rows_count()));
-    const kernels::PageRun run{page_pointers.data(), nullptr, static_cast<index_t>(table.size()), 0,
-                               config_.page_size, value_dim_, value_plane_offset(), pool_.format().payload_bytes};
+    const kernels::PageRun all{page_pointers.data(), nullptr, pages, 0, config_.page_size, value_dim_,
+                               value_plane_offset(), pool_.format().payload_bytes};
     const kernels::TailView tail{state.tail_keys.data(), state.tail_values.data(), state.rows_count(), nullptr};
     const std::size_t p = static_cast<std::size_t>(layer);
     const kernels::LatentCodecs<KeyCodec, ValueCodec> codecs{&quantizer_.key, key_params_[p], &quantizer_.value,
                                                              value_params_[p]};
-    kernels::attend_latent_stream(run, key_dim_, codecs, tail, scaled_queries.data(), group, out.data(), workspace,
-                                  tile.data(), kernels::LatentKernelSet<ValueCodec>::selected());
+    const auto kernel_set = kernels::LatentKernelSet<ValueCodec>::selected();
+    // Run r reads pages [r·per_run, …) and the last one the tail too.
+    const index_t chunk = std::max<index_t>(1, kernels::Workspace::kChunkTokens / config_.page_size);
+    const index_t chunks = (pages + chunk - 1) / chunk;
+    const index_t chunks_per_run = config_.executor ? std::max<index_t>(1, (chunks + kMaxRuns - 1) / kMaxRuns)
+                                                    : std::max<index_t>(1, chunks);
+    const index_t runs = std::max<index_t>(1, (chunks + chunks_per_run - 1) / chunks_per_run);
+    const index_t per_run = chunks_per_run * chunk;
+    // The caller's thread_local buffers, named here: inside a task a thread_local name would
+    // mean the worker's own.
+    const float* queries = scaled_queries.data();
+    std::vector<kernels::LatentPartial>& parts = partials;
+    auto pass = [&](index_t r, float* finished) {
+      thread_local kernels::Workspace workspace;
+      thread_local std::vector<float> tile;
+      const bool last = r == runs - 1;
+      const index_t tail_rows = last ? tail.count : 0;
+      workspace.prepare(group, value_dim_ + key_dim_, config_.page_size, tail_rows);
+      tile.resize(kernels::latent_tile_floats(config_.page_size, value_dim_, key_dim_, tail_rows));
+      kernels::PageRun run = all;
+      run.pages = all.pages + std::min(pages, r * per_run);
+      run.count = std::clamp<index_t>(pages - r * per_run, 0, per_run);
+      const kernels::TailView own_tail = last ? tail : kernels::TailView{};
+      if (finished != nullptr) {
+        kernels::attend_latent_stream(run, key_dim_, codecs, own_tail, queries, group, finished, workspace,
+                                      tile.data(), kernel_set);
+      } else {
+        kernels::latent_pass(run, key_dim_, codecs, own_tail, queries, group, workspace, tile.data(), kernel_set);
+        parts[r].take(workspace, group, value_dim_);
+      }
+    };
+    if (runs == 1) {
+      pass(0, out.data());
+    } else {
+      parts.resize(static_cast<std::size_t>(runs));
+      config_.executor(runs, [&](index_t r) { pass(r, nullptr); });
+      kernels::merge_latent_partials(std::span<const kernels::LatentPartial>(parts.data(), runs), group,
+                                     value_dim_, out.data());
+    }
     if (report != nullptr) {
       report->read_pages[0].resize(table.size());
       std::iota(report->read_pages[0].begin(), report->read_pages[0].end(), index_t{0});

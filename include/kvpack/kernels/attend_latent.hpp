@@ -12,8 +12,10 @@
 /// page bytes by the value codec's accumulate kernel.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "kvpack/dispatch.hpp"
@@ -70,16 +72,17 @@ struct LatentCodecs {
   return 2 * rows * width;
 }
 
-/// out[h] = softmax(q[h] · [c ; k^R]) · c over every live slot of `pages` and every row of
-/// `tail`, for `group` query heads of width latent_dim + rope_dim (softmax scale applied);
-/// `out` is [group][latent_dim]. `pages.head_dim` is latent_dim and `pages.value_offset` points
-/// at the latent plane; `tail.keys` are [count][rope_dim] and `tail.values` [count][latent_dim].
-/// The workspace must have been prepared for (group, latent_dim + rope_dim, page_size,
-/// tail.count) and `tile` must hold latent_tile_floats(...) floats.
+/// Folds every live slot of `pages` and every row of `tail` into the workspace's online-softmax
+/// state (running maximum, sum and unnormalised [group][latent_dim] accumulator), starting from
+/// an empty state, for `group` query heads of width latent_dim + rope_dim (softmax scale
+/// applied). `pages.head_dim` is latent_dim and `pages.value_offset` points at the latent plane;
+/// `tail.keys` are [count][rope_dim] and `tail.values` [count][latent_dim]. The workspace must
+/// have been prepared for (group, latent_dim + rope_dim, page_size, tail.count) and `tile` must
+/// hold latent_tile_floats(...) floats.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-void attend_latent_stream(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyCodec, ValueCodec>& codecs,
-                          const TailView& tail, const float* queries, index_t group, float* out,
-                          const Workspace& ws, float* tile, const LatentKernelSet<ValueCodec>& kernels) noexcept {
+void latent_pass(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyCodec, ValueCodec>& codecs,
+                 const TailView& tail, const float* queries, index_t group, const Workspace& ws, float* tile,
+                 const LatentKernelSet<ValueCodec>& kernels) noexcept {
   const index_t latent_dim = pages.head_dim;
   const index_t width = latent_dim + rope_dim;
   const index_t page_size = pages.page_size;
@@ -141,7 +144,51 @@ void attend_latent_stream(const PageRun& pages, index_t rope_dim, const LatentCo
     const PageRun run{&values, nullptr, 1, 0, tail.count, latent_dim, 0, 0};
     kernels.accumulate_rows({run, quant::NoParams{}, ws.scores(), ws.score_stride(), group, ws.acc(), ws.scratch()});
   }
+}
 
+/// One pass's online-softmax state, copied out of its workspace so passes over different pages
+/// can run on different threads and be merged (flash-decoding's split-K).
+struct LatentPartial {
+  std::vector<float> max, sum, acc;  ///< [group], [group], [group][latent_dim]
+
+  void take(const Workspace& ws, index_t group, index_t latent_dim) {
+    max.assign(ws.running_max(), ws.running_max() + group);
+    sum.assign(ws.running_sum(), ws.running_sum() + group);
+    acc.assign(ws.acc(), ws.acc() + static_cast<std::size_t>(group) * latent_dim);
+  }
+};
+
+/// out[h] = Σ_i e^{m_i − M} acc_i[h] / Σ_i e^{m_i − M} sum_i[h], M = max_i m_i: the softmax over
+/// all passes' tokens. A head no pass saw a live token for comes out 0, as from one pass.
+inline void merge_latent_partials(std::span<const LatentPartial> parts, index_t group, index_t latent_dim,
+                                  float* out) noexcept {
+  for (index_t h = 0; h < group; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (const LatentPartial& part : parts) top = std::max(top, part.max[h]);
+    float* o = out + static_cast<std::size_t>(h) * latent_dim;
+    std::fill_n(o, latent_dim, 0.0f);
+    if (top == -std::numeric_limits<float>::infinity()) continue;
+    float sum = 0.0f;
+    for (const LatentPartial& part : parts) {
+      if (part.max[h] == -std::numeric_limits<float>::infinity()) continue;
+      const float weight = std::exp(part.max[h] - top);
+      sum += weight * part.sum[h];
+      const float* acc = part.acc.data() + static_cast<std::size_t>(h) * latent_dim;
+      for (index_t c = 0; c < latent_dim; ++c) o[c] += weight * acc[c];
+    }
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (index_t c = 0; c < latent_dim; ++c) o[c] *= inverse;
+  }
+}
+
+/// out[h] = softmax(q[h] · [c ; k^R]) · c over every live slot of `pages` and every row of
+/// `tail` in one pass (see latent_pass); `out` is [group][latent_dim].
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+void attend_latent_stream(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyCodec, ValueCodec>& codecs,
+                          const TailView& tail, const float* queries, index_t group, float* out,
+                          const Workspace& ws, float* tile, const LatentKernelSet<ValueCodec>& kernels) noexcept {
+  latent_pass(pages, rope_dim, codecs, tail, queries, group, ws, tile, kernels);
+  const index_t latent_dim = pages.head_dim;
   for (index_t h = 0; h < group; ++h) {
     const float sum = ws.running_sum()[h];
     const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -167,6 +168,17 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
   std::vector<float> out(static_cast<std::size_t>(q_heads) * latent);
   cache.attend(seq, 0, std::span<const float>(queries), std::span<float>(out), scale);
   CHECK(worst_ratio(out, dispatch::active_cpu_isa() == "avx512") <= 1.0);
+
+  // And split over threads: runs of pages on a pool, their softmax states merged.
+  ThreadPool threads(3);
+  CacheConfig split_config = config;
+  split_config.executor = [&threads](index_t count, const std::function<void(index_t)>& task) { threads(count, task); };
+  Cache split(shape, split_config, Quantizer{}, layout::MLA{latent, rope});
+  const SeqId split_seq = split.add_sequence();
+  split.prefill(split_seq, 0, std::span<const float>(rows.rope_keys), std::span<const float>(rows.latents));
+  std::vector<float> split_out(out.size());
+  split.attend(split_seq, 0, std::span<const float>(queries), std::span<float>(split_out), scale);
+  CHECK(worst_ratio(split_out, dispatch::active_cpu_isa() == "avx512") <= 1.0);
 }
 
 }  // namespace
@@ -178,6 +190,7 @@ TEMPLATE_TEST_CASE("the latent kernel matches the double-precision reference on 
   // Small shapes with a tail of any length; then DeepSeek-V2's (128 heads, 512 + 64).
   check_latent_kernel_on_every_isa<TestType>(8, 64, 32, 16, 100, 11);
   check_latent_kernel_on_every_isa<TestType>(5, 32, 32, 32, 20, 12);  // tail only
+  check_latent_kernel_on_every_isa<TestType>(4, 32, 32, 16, 2000, 14);  // 4 chunks: 4 runs on threads
   check_latent_kernel_on_every_isa<TestType>(128, 512, 64, 64, 600, 13);  // a chunk of 512, a page, a tail
 }
 
