@@ -218,6 +218,7 @@ class KVCache {
   }
 
   [[nodiscard]] const ModelShape& shape() const noexcept { return shape_; }
+  [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
   [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
   [[nodiscard]] const Quantizer& quantizer() const noexcept { return quantizer_; }
   [[nodiscard]] index_t streams_per_layer() const noexcept { return streams_; }
@@ -392,9 +393,10 @@ class KVCache {
     const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
     const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
     KVPACK_CHECK(key.size() == key_row && value.size() == value_row, kInvalidArgument,
-                 detail::message("append: key and value must hold ", key_row, " and ", value_row,
-                                 " elements (kv_heads * head_dim; layout::MLA: rope_dim and latent_dim), got ",
-                                 key.size(), " and ", value.size()));
+                 kLatent ? detail::message("append: key and value must hold rope_dim = ", key_row, " and latent_dim = ",
+                                           value_row, " elements (layout::MLA), got ", key.size(), " and ", value.size())
+                         : detail::message("append: key and value must hold kv_heads * head_dim = ", key_row,
+                                           " elements, got ", key.size(), " and ", value.size()));
     LayerState& state = sequence.layers[layer];
     KVPACK_CHECK(position > state.last_position, kInvalidArgument,
                  detail::message("append: position ", position, " must be greater than the layer's last (",
@@ -446,9 +448,11 @@ class KVCache {
     const std::size_t query_row = static_cast<std::size_t>(shape_.q_heads) * layout::query_dim(layout_, shape_);
     const std::size_t out_row = static_cast<std::size_t>(shape_.q_heads) * value_dim_;
     KVPACK_CHECK(query.size() == query_row && out.size() == out_row, kInvalidArgument,
-                 detail::message("attend: query and out must hold ", query_row, " and ", out_row,
-                                 " elements (q_heads * ", kLatent ? "(latent_dim + rope_dim)" : "head_dim", " and q_heads * ",
-                                 kLatent ? "latent_dim" : "head_dim", "), got ", query.size(), " and ", out.size()));
+                 kLatent ? detail::message("attend: query and out must hold q_heads * (latent_dim + rope_dim) = ",
+                                           query_row, " and q_heads * latent_dim = ", out_row,
+                                           " elements (layout::MLA), got ", query.size(), " and ", out.size())
+                         : detail::message("attend: query and out must hold q_heads * head_dim = ", query_row,
+                                           " elements, got ", query.size(), " and ", out.size()));
     KVPACK_CHECK(std::isfinite(scale), kInvalidArgument, detail::message("attend: scale ", scale, " is not finite"));
     const LayerState& state = sequence.layers[layer];
     KVPACK_CHECK(state.tokens > 0, kInvalidArgument,
@@ -785,7 +789,7 @@ class KVCache {
     const std::size_t p = static_cast<std::size_t>(layer);
     const kernels::LatentCodecs<KeyCodec, ValueCodec> codecs{&quantizer_.key, key_params_[p], &quantizer_.value,
                                                              value_params_[p]};
-    const auto kernel_set = kernels::LatentKernelSet<ValueCodec>::selected();
+    const auto kernel_set = kernels::LatentKernelSet<KeyCodec, ValueCodec>::selected();
     // Run r reads pages [r·per_run, …) and the last one the tail too.
     const index_t chunk = std::max<index_t>(1, kernels::Workspace::kChunkTokens / config_.page_size);
     const index_t chunks = (pages + chunk - 1) / chunk;

@@ -92,9 +92,9 @@ inline PageFileHeader read_meta(std::span<const std::byte> body, std::string_vie
   check_range(what, "layers_per_cache", layers_per_cache, 1, L::kMaxLayers);
   check_equal(what, "cache_layers", static_cast<std::uint64_t>(cache_layers),
               static_cast<std::uint64_t>((layers + layers_per_cache - 1) / layers_per_cache));
-  check_equal(what, "streams", static_cast<std::uint64_t>(streams), static_cast<std::uint64_t>(kv_heads));
-  check_equal(what, "key_dim", static_cast<std::uint64_t>(key_dim), static_cast<std::uint64_t>(head_dim));
-  check_equal(what, "value_dim", static_cast<std::uint64_t>(value_dim), static_cast<std::uint64_t>(head_dim));
+  check_range(what, "streams", streams, 1, L::kMaxHeads);
+  check_range(what, "key_dim", key_dim, 1, L::kMaxHeadDim);
+  check_range(what, "value_dim", value_dim, 1, L::kMaxHeadDim);
   check_range(what, "page_size", page_size, 16, 256);
   KVPACK_CHECK(page_size % 16 == 0, kInvalidArgument,
                detail::message(what, ": META.page_size = ", page_size, " is not a multiple of 16"));
@@ -135,20 +135,31 @@ inline PageFileHeader read_meta(std::span<const std::byte> body, std::string_vie
   h.quantizer = in.get_string("quantizer", L::kMaxString);
   h.key_codec = in.get_string("key_codec", L::kMaxString);
   h.value_codec = in.get_string("value_codec", L::kMaxString);
-  KVPACK_CHECK(h.layout == "gqa" || h.layout == "cross_layer", kUnsupported,
-               detail::message(what, ": layout \"", h.layout, "\" is not one this build reads (gqa, cross_layer)"));
+  KVPACK_CHECK(h.layout == "gqa" || h.layout == "cross_layer" || h.layout == "mla", kUnsupported,
+               detail::message(what, ": layout \"", h.layout, "\" is not one this build reads (gqa, cross_layer, mla)"));
   KVPACK_CHECK(h.layout == "cross_layer" || h.layers_per_cache == 1, kInvalidArgument,
-               detail::message(what, ": layout gqa with layers_per_cache ", h.layers_per_cache));
+               detail::message(what, ": layout ", h.layout, " with layers_per_cache ", h.layers_per_cache));
+  if (h.layout == "mla") {
+    // RoPE keys (key_dim) and latents (value_dim) of any width.
+    KVPACK_CHECK(kv_heads == 1 && streams == 1, kInvalidArgument,
+                 detail::message(what, ": layout mla keeps one latent stream per layer, but META.kv_heads = ", kv_heads,
+                                 " and streams = ", streams));
+  } else {
+    check_equal(what, "streams", static_cast<std::uint64_t>(streams), static_cast<std::uint64_t>(kv_heads));
+    check_equal(what, "key_dim", static_cast<std::uint64_t>(key_dim), static_cast<std::uint64_t>(head_dim));
+    check_equal(what, "value_dim", static_cast<std::uint64_t>(value_dim), static_cast<std::uint64_t>(head_dim));
+  }
 
   // The codecs, then every size that follows from them and the shape.
   const CodecEntry& key = codec_of(what, h.key_codec, Plane::kKey, h.key_group);
   const CodecEntry& value = codec_of(what, h.value_codec, Plane::kValue, h.value_group);
-  const quant::PageGeometry geometry{h.page_size, h.key_dim};
-  key.validate(geometry);
-  value.validate(geometry);
-  check_equal(what, "key_plane_bytes", h.key_plane_bytes, key.plane_bytes(geometry));
+  const quant::PageGeometry key_geometry{h.page_size, h.key_dim};
+  const quant::PageGeometry value_geometry{h.page_size, h.value_dim};
+  key.validate(key_geometry);
+  value.validate(value_geometry);
+  check_equal(what, "key_plane_bytes", h.key_plane_bytes, key.plane_bytes(key_geometry));
   check_equal(what, "value_plane_offset", h.value_plane_offset, (h.key_plane_bytes + 63) / 64 * 64);
-  check_equal(what, "value_plane_bytes", h.value_plane_bytes, value.plane_bytes(geometry));
+  check_equal(what, "value_plane_bytes", h.value_plane_bytes, value.plane_bytes(value_geometry));
   check_equal(what, "payload_bytes", h.payload_bytes, (h.value_plane_offset + h.value_plane_bytes + 63) / 64 * 64);
   KVPACK_CHECK(h.payload_bytes <= L::kMaxPageBytes, kInvalidArgument,
                detail::message(what, ": pages of ", h.payload_bytes, " bytes exceed ", L::kMaxPageBytes));

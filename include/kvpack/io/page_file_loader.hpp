@@ -61,6 +61,11 @@ void check_compatible(const Cache& cache, const PageFileHeader& h) {
   KVPACK_CHECK(h.layout == Layout::kName && h.layers_per_cache == layers_per_cache, kInvalidArgument,
                detail::message("load_page_file: the file's layout is ", h.layout, " (", h.layers_per_cache,
                                " layers per cache), the cache's ", Layout::kName, " (", layers_per_cache, ")"));
+  const index_t key_dim = cache.layout().key_dim(shape);
+  const index_t value_dim = cache.layout().value_dim(shape);
+  KVPACK_CHECK(h.key_dim == key_dim && h.value_dim == value_dim, kInvalidArgument,
+               detail::message("load_page_file: the file's key and value rows are ", h.key_dim, " and ", h.value_dim,
+                               " wide, the cache's ", key_dim, " and ", value_dim));
   const CacheConfig& config = cache.config();
   KVPACK_CHECK(h.page_size == config.page_size, kInvalidArgument,
                detail::message("load_page_file: the file's page_size is ", h.page_size, ", the cache's ",
@@ -191,10 +196,9 @@ void check_identical(const Cache& cache, SeqId seq, const PageFileView& file, in
 template <class Cache>
 SeqId load_into(Cache& cache, SeqId seq, const PageFileView& file) {
   const PageFileHeader& h = file.header();
-  const typename Cache::layout_type layout{};
   try {
     for (index_t c = 0; c < h.cache_layers; ++c) {
-      const index_t writer = layout::writer_of(layout, h.shape, c);
+      const index_t writer = layout::writer_of(cache.layout(), h.shape, c);
       const std::size_t pages_before = cache.pages(seq, writer, 0).size();
       load_layer(cache, seq, file, c, writer);
       check_identical(cache, seq, file, c, writer, pages_before);

@@ -43,7 +43,7 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
   using Quantizer = typename Cache::quantizer_type;
   using KeyCodec = typename Quantizer::key_codec;
   using ValueCodec = typename Quantizer::value_codec;
-  const Layout layout{};
+  const Layout& layout = cache.layout();
   const ModelShape& shape = cache.shape();
   PageFileHeader h;
   h.model_id = options.model_id;
@@ -128,8 +128,7 @@ template <class Cache>
     KVPACK_CHECK(options.tokens.size() <= PageFileLimits::kMaxTokens, kInvalidArgument,
                  "write_page_file: too many token ids");
     const PageFileHeader h = writer_detail::header_of(cache, seq, options);
-    const typename Cache::layout_type layout{};
-    const auto writer_of = [&](index_t c) { return layout::writer_of(layout, h.shape, c); };
+    const auto writer_of = [&](index_t c) { return layout::writer_of(cache.layout(), h.shape, c); };
 
     ContainerWriter file;
     const std::uint64_t pages = h.total_pages();

@@ -5,10 +5,10 @@
 ///
 /// With 128 query heads on one stream, each token costs 128·(latent + rope + latent) FMAs for
 /// its latent + rope bytes: on a CPU this is arithmetic-bound, not bandwidth-bound, at every
-/// format. So the key side decodes one page at a time (the codecs' own decoders) into a
-/// channel-major fp32 tile [latent + rope][page_size] in L1/L2 and scores it with the fp32
-/// channel-major kernel, whose register blocks reuse each loaded key vector across heads; the
-/// decode is a small share of the work. The values are the same latent, summed straight from the
+/// format. So the key side decodes one page at a time (cpu/channel_major.hpp: vector converts
+/// for element formats, the codec's own decoder otherwise) into a channel-major fp32 tile
+/// [latent + rope][page_size] in L1/L2 and scores it with the fp32 channel-major kernel, whose
+/// register blocks reuse each loaded key vector across heads. The values are the same latent, summed straight from the
 /// page bytes by the value codec's accumulate kernel.
 
 #include <algorithm>
@@ -27,10 +27,12 @@
 namespace kvpack::inline v0::kernels {
 
 /// The kernels latent attention calls, bound to one instruction set.
-template <quant::Codec ValueCodec>
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 struct LatentKernelSet {
   using TileScores = cpu::ScoreKeys<quant::FloatCodec<float, Plane::kKey>>;
   using RowValues = cpu::AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
+  dispatch::CpuFunction<cpu::DecodeChannelMajor<ValueCodec>> decode_latent;
+  dispatch::CpuFunction<cpu::DecodeChannelMajor<KeyCodec>> decode_rope;
   dispatch::CpuFunction<TileScores> score_tile;
   dispatch::CpuFunction<cpu::AccumulateValues<ValueCodec>> accumulate;
   dispatch::CpuFunction<cpu::SoftmaxUpdate> softmax;
@@ -39,16 +41,23 @@ struct LatentKernelSet {
 
   /// The kernels dispatch selects for this CPU (or KVPACK_ISA).
   static LatentKernelSet selected() {
-    return {dispatch::cpu_kernel<TileScores>(), dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>(),
-            dispatch::cpu_kernel<cpu::SoftmaxUpdate>(), dispatch::cpu_kernel<cpu::ScoreRows>(),
+    return {dispatch::cpu_kernel<cpu::DecodeChannelMajor<ValueCodec>>(),
+            dispatch::cpu_kernel<cpu::DecodeChannelMajor<KeyCodec>>(),
+            dispatch::cpu_kernel<TileScores>(),
+            dispatch::cpu_kernel<cpu::AccumulateValues<ValueCodec>>(),
+            dispatch::cpu_kernel<cpu::SoftmaxUpdate>(),
+            dispatch::cpu_kernel<cpu::ScoreRows>(),
             dispatch::cpu_kernel<RowValues>()};
   }
   /// The kernels compiled for `Arch` (see dispatch::cpu_kernel_for).
   template <class Arch>
   static LatentKernelSet for_arch() noexcept {
-    return {dispatch::cpu_kernel_for<TileScores, Arch>(),
+    return {dispatch::cpu_kernel_for<cpu::DecodeChannelMajor<ValueCodec>, Arch>(),
+            dispatch::cpu_kernel_for<cpu::DecodeChannelMajor<KeyCodec>, Arch>(),
+            dispatch::cpu_kernel_for<TileScores, Arch>(),
             dispatch::cpu_kernel_for<cpu::AccumulateValues<ValueCodec>, Arch>(),
-            dispatch::cpu_kernel_for<cpu::SoftmaxUpdate, Arch>(), dispatch::cpu_kernel_for<cpu::ScoreRows, Arch>(),
+            dispatch::cpu_kernel_for<cpu::SoftmaxUpdate, Arch>(),
+            dispatch::cpu_kernel_for<cpu::ScoreRows, Arch>(),
             dispatch::cpu_kernel_for<RowValues, Arch>()};
   }
 };
@@ -82,7 +91,7 @@ struct LatentCodecs {
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 void latent_pass(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyCodec, ValueCodec>& codecs,
                  const TailView& tail, const float* queries, index_t group, const Workspace& ws, float* tile,
-                 const LatentKernelSet<ValueCodec>& kernels) noexcept {
+                 const LatentKernelSet<KeyCodec, ValueCodec>& kernels) noexcept {
   const index_t latent_dim = pages.head_dim;
   const index_t width = latent_dim + rope_dim;
   const index_t page_size = pages.page_size;
@@ -99,14 +108,10 @@ void latent_pass(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyC
     for (index_t i = 0; i < count; ++i) {
       const std::byte* payload = pages.pages[first + i];
       // Channel-major, as the fp32 key plane stores it: latent channels, then the RoPE key's.
-      codecs.latent->decode({page_size, latent_dim}, payload + pages.value_offset, codecs.latent_params, rows);
-      for (index_t t = 0; t < page_size; ++t) {
-        for (index_t c = 0; c < latent_dim; ++c) tile[c * page_size + t] = rows[t * latent_dim + c];
-      }
-      codecs.rope->decode({page_size, rope_dim}, payload, codecs.rope_params, rows);
-      for (index_t t = 0; t < page_size; ++t) {
-        for (index_t c = 0; c < rope_dim; ++c) tile[(latent_dim + c) * page_size + t] = rows[t * rope_dim + c];
-      }
+      kernels.decode_latent({codecs.latent, codecs.latent_params, payload + pages.value_offset, page_size, latent_dim,
+                             tile, rows});
+      kernels.decode_rope({codecs.rope, codecs.rope_params, payload, page_size, rope_dim,
+                           tile + static_cast<std::size_t>(latent_dim) * page_size, rows});
       const std::byte* tile_bytes = reinterpret_cast<const std::byte*>(tile);
       const std::uint64_t* const* live = pages.live != nullptr ? pages.live + first + i : nullptr;
       const PageRun one{&tile_bytes, live, 1, 0, page_size, width, 0, 0};
@@ -186,7 +191,7 @@ inline void merge_latent_partials(std::span<const LatentPartial> parts, index_t 
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
 void attend_latent_stream(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyCodec, ValueCodec>& codecs,
                           const TailView& tail, const float* queries, index_t group, float* out,
-                          const Workspace& ws, float* tile, const LatentKernelSet<ValueCodec>& kernels) noexcept {
+                          const Workspace& ws, float* tile, const LatentKernelSet<KeyCodec, ValueCodec>& kernels) noexcept {
   latent_pass(pages, rope_dim, codecs, tail, queries, group, ws, tile, kernels);
   const index_t latent_dim = pages.head_dim;
   for (index_t h = 0; h < group; ++h) {

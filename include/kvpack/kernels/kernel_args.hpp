@@ -93,6 +93,19 @@ struct RotatedRowScoreArgs {
   float* scratch = nullptr;                 ///< [count][head_dim]
 };
 
+/// Arguments of a page decoder (layout::MLA's latent attention): one plane of one page as fp32,
+/// channel-major, the layout the fp32 key kernel scores.
+template <class Codec>
+struct DecodePlaneArgs {
+  const Codec* codec = nullptr;
+  typename Codec::params_type params{};
+  const std::byte* plane = nullptr;
+  index_t page_size = 0;
+  index_t head_dim = 0;
+  float* out = nullptr;   ///< [head_dim][page_size]
+  float* rows = nullptr;  ///< [page_size][head_dim] scratch
+};
+
 /// Scratch floats every key and value kernel may use for one call (per-page staging of scales,
 /// weights and the prepared query, or one page decoded to fp32), generously bounded so callers
 /// size one buffer for all codecs.

@@ -157,7 +157,7 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
     ++isas;
     std::vector<float> out(static_cast<std::size_t>(q_heads) * latent, -1.0f);
     kernels::attend_latent_stream(run, rope, codecs, tail, scaled.data(), q_heads, out.data(), workspace, tile.data(),
-                                  kernels::LatentKernelSet<ValueCodec>::template for_arch<Arch>());
+                                  kernels::LatentKernelSet<KeyCodec, ValueCodec>::template for_arch<Arch>());
     INFO(Quantizer::name() << " isa " << kernels::cpu::isa_name<Arch>() << " heads=" << q_heads << " latent="
                            << latent << " rope=" << rope << " P=" << page_size << " tokens=" << tokens);
     CHECK(worst_ratio(out, std::is_same_v<Arch, xsimd::avx512bw>) <= 1.0);
@@ -332,5 +332,7 @@ TEST_CASE("MLA rejects what it cannot hold, with a reason", "[cache][mla][errors
   cache.prefill(seq, 0, std::span<const float>(rows.rope_keys), std::span<const float>(rows.latents));
   std::vector<float> q(8 * 64), out(8 * 64);  // a query without its RoPE part
   CHECK_THROWS_WITH(cache.attend(seq, 0, std::span<const float>(q), std::span<float>(out), 0.1f),
-                    Catch::Contains("768 and 512") && Catch::Contains("latent_dim + rope_dim"));
+                    Catch::Contains("q_heads * (latent_dim + rope_dim) = 768 and q_heads * latent_dim = 512"));
+  CHECK_THROWS_WITH(cache.append(seq, 0, std::span<const float>(q.data(), 64), std::span<const float>(q.data(), 64), 10),
+                    Catch::Contains("rope_dim = 32 and latent_dim = 64"));
 }

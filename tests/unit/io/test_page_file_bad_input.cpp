@@ -172,7 +172,10 @@ TEST_CASE("a header that does not describe its pages is rejected", "[io][page_fi
     rejected([](auto& h) { h.value_codec = "turbo_mse4_value"; }, ErrorCode::kUnsupported, "value codec");
     rejected([](auto& h) { h.key_codec = "fp8_e4m3fn_v2"; }, ErrorCode::kUnsupported, "fp8_e4m3fn_v2");
     rejected([](auto& h) { h.key_group = 32; }, ErrorCode::kUnsupported, "(group 32)");
-    rejected([](auto& h) { h.layout = "mla"; }, ErrorCode::kUnsupported, "layout \"mla\"");
+    rejected([](auto& h) { h.layout = "yoco"; }, ErrorCode::kUnsupported, "layout \"yoco\"");
+    // MLA keeps one latent stream per layer: a file of two KV heads cannot be one.
+    rejected([](auto& h) { h.layout = "mla"; h.shape.kv_heads = 2; }, ErrorCode::kInvalidArgument,
+             "layout mla keeps one latent stream per layer, but META.kv_heads = 2");
   }
   SECTION("shape and sizes") {
     rejected([](auto& h) { h.shape.layers = 0; }, ErrorCode::kInvalidArgument, "META.layers = 0");

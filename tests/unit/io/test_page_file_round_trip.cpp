@@ -358,3 +358,39 @@ TEST_CASE("the writer rejects what page files cannot carry yet", "[io][page_file
     CHECK(error->code() == ErrorCode::kUnknownSequence);
   }
 }
+
+TEST_CASE("MLA page files record the latent and RoPE widths and load back bit for bit", "[io][page_file][mla]") {
+  using Cache = KVCache<layout::MLA, quant::MLA<quant::Q8_0>>;
+  const ModelShape shape{2, 8, 1, 128};
+  CacheConfig config;
+  config.page_size = 16;
+  const layout::MLA mla{64, 32};
+  Cache original(shape, config, {}, mla);
+  const SeqId seq = original.add_sequence();
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    const auto rope = test::random_rows(48, 32, 200 + static_cast<std::uint32_t>(layer));
+    const auto latent = test::random_rows(48, 64, 210 + static_cast<std::uint32_t>(layer));
+    original.prefill(seq, layer, std::span<const float>(rope), std::span<const float>(latent));
+  }
+  const std::vector<std::byte> bytes = io::write_page_file(original, seq);
+  const io::PageFileView file = io::PageFileView::parse(bytes);
+  CHECK(file.header().layout == "mla");
+  CHECK(file.header().streams == 1);
+  CHECK(file.header().key_dim == 32);
+  CHECK(file.header().value_dim == 64);
+
+  Cache loaded(shape, config, {}, mla);
+  const SeqId copy = io::load_page_file(loaded, file);
+  CHECK(io::write_page_file(loaded, copy) == bytes);
+  const std::vector<float> query = test::random_rows(8, 96, 220);
+  std::vector<float> expected(8 * 64), got(8 * 64);
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    original.attend(seq, layer, std::span<const float>(query), std::span<float>(expected), 0.1f);
+    loaded.attend(copy, layer, std::span<const float>(query), std::span<float>(got), 0.1f);
+    CHECK(std::memcmp(expected.data(), got.data(), got.size() * sizeof(float)) == 0);
+  }
+
+  // Another latent width is another cache: refused, nothing written.
+  Cache wider(shape, config, {}, layout::MLA{96, 32});
+  CHECK_THAT(failed_load(wider, bytes).what(), Catch::Contains("rows are 32 and 64 wide, the cache's 32 and 96"));
+}

@@ -57,4 +57,12 @@ struct ScoreRotatedRows {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
+/// One plane of one page decoded to fp32, channel-major (layout::MLA scores its latent so).
+template <class Codec>
+struct DecodeChannelMajor {
+  using args_type = DecodePlaneArgs<Codec>;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
 }  // namespace kvpack::inline v0::kernels::cpu

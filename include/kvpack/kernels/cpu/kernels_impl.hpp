@@ -2,6 +2,7 @@
 /// \file kernels_impl.hpp
 /// \brief Bodies of the CPU kernel functors: each forwards to the overload for its codec.
 
+#include "kvpack/kernels/cpu/channel_major.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
@@ -46,6 +47,12 @@ void ScoreRotatedKeys<KeyCodec>::operator()(Arch arch, const args_type& args) co
 template <class Arch>
 void ScoreRotatedRows::operator()(Arch arch, const args_type& args) const noexcept {
   score_rotated_rows(arch, args);
+}
+
+template <class Codec>
+template <class Arch>
+void DecodeChannelMajor<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
+  decode_channel_major(arch, std::type_identity<Codec>{}, args);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvpack/kernels/cpu/channel_major.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/quant/kvquant.hpp"
@@ -217,24 +218,6 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   }
   for (index_t h = 0; h < args.group; ++h) {
     for (index_t c = 0; c < d; ++c) args.acc[h * d + c] += bias[h];
-  }
-}
-
-/// out[j·rows + i] = in[i·cols + j] for a rows × cols matrix (both multiples of 4), by 4 × 4
-/// blocks in SSE registers.
-inline void transpose_by_4x4(const float* in, index_t rows, index_t cols, float* out) noexcept {
-  for (index_t i = 0; i < rows; i += 4) {
-    for (index_t j = 0; j < cols; j += 4) {
-      const float* block = in + static_cast<std::size_t>(i) * cols + j;
-      __m128 r0 = _mm_loadu_ps(block), r1 = _mm_loadu_ps(block + cols), r2 = _mm_loadu_ps(block + 2 * cols),
-             r3 = _mm_loadu_ps(block + 3 * cols);
-      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-      float* to = out + static_cast<std::size_t>(j) * rows + i;
-      _mm_storeu_ps(to, r0);
-      _mm_storeu_ps(to + rows, r1);
-      _mm_storeu_ps(to + 2 * rows, r2);
-      _mm_storeu_ps(to + 3 * rows, r3);
-    }
   }
 }
 

@@ -3,8 +3,9 @@
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
 /// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
-/// 4-bit groups of 128, which take the fused kernels' other lane arrangements), and the pre-RoPE key
-/// scorers of the codecs meant for pre-RoPE storage (f32, f16, KVQuant). A kernel not listed here (a user's own codec) still works: it
+/// 4-bit groups of 128, which take the fused kernels' other lane arrangements), the pre-RoPE key
+/// scorers of the codecs meant for pre-RoPE storage (f32, f16, KVQuant), and layout::MLA's page
+/// decoders for the usual latent and RoPE formats. A kernel not listed here (a user's own codec) still works: it
 /// is compiled inline for the including file's own target (`default_arch`).
 
 #include <type_traits>
@@ -65,6 +66,16 @@ using ScoreTurboProd = ScoreKeys<quant::TurboCodec<quant::TurboVariant::kProd, P
 using AccumulateTurboMse = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kMse, Plane::kValue>>;
 using AccumulateTurboProd = AccumulateValues<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kValue>>;
 using ScoreQjl = ScoreKeys<quant::QjlKeyCodec>;  // every sketch size
+// layout::MLA's page decoders: RoPE keys (bf16 by default), latents in the element and 8-bit formats.
+using DecodeRopeF32 = DecodeChannelMajor<quant::FloatCodec<float, Plane::kKey>>;
+using DecodeRopeF16 = DecodeChannelMajor<quant::FloatCodec<half, Plane::kKey>>;
+using DecodeRopeBF16 = DecodeChannelMajor<quant::FloatCodec<bfloat16, Plane::kKey>>;
+using DecodeLatentF32 = DecodeChannelMajor<quant::FloatCodec<float, Plane::kValue>>;
+using DecodeLatentF16 = DecodeChannelMajor<quant::FloatCodec<half, Plane::kValue>>;
+using DecodeLatentBF16 = DecodeChannelMajor<quant::FloatCodec<bfloat16, Plane::kValue>>;
+using DecodeLatentE4M3 = DecodeChannelMajor<quant::FP8Codec<quant::E4M3FN, Plane::kValue>>;
+using DecodeLatentQ8_0 = DecodeChannelMajor<quant::Q8_0Codec<Plane::kValue>>;
+using DecodeLatentQ4_0 = DecodeChannelMajor<quant::Q4_0Codec<Plane::kValue>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -85,7 +96,9 @@ using ScoreQjl = ScoreKeys<quant::QjlKeyCodec>;  // every sketch size
   X(precompiled::AccumulateNuq2) X(precompiled::AccumulateNuq3) X(precompiled::AccumulateNuq4)            \
   X(precompiled::ScoreTurboMse) X(precompiled::ScoreTurboProd) X(precompiled::AccumulateTurboMse)         \
   X(precompiled::AccumulateTurboProd) X(precompiled::ScoreQjl) X(SoftmaxUpdate) X(ScoreRows)              \
-  X(ScoreRotatedRows)
+  X(ScoreRotatedRows) X(precompiled::DecodeRopeF32) X(precompiled::DecodeRopeF16) X(precompiled::DecodeRopeBF16)      \
+  X(precompiled::DecodeLatentF32) X(precompiled::DecodeLatentF16) X(precompiled::DecodeLatentBF16)        \
+  X(precompiled::DecodeLatentE4M3) X(precompiled::DecodeLatentQ8_0) X(precompiled::DecodeLatentQ4_0)
 
 namespace kvpack::inline v0::kernels::cpu {
 
