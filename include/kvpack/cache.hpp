@@ -72,10 +72,11 @@ struct PrefixHit {
 ///
 /// Prefix sharing (CacheConfig::prefix_sharing, off by default): add_sequence(tokens) starts a
 /// sequence on the cached pages of the longest whole-page prefix of its prompt, and share_prefix
-/// and release cache a prompt's whole pages; see the README's "Prefix sharing".
+/// and release cache a prompt's whole pages; see the README's "Prefix sharing". With an evictor,
+/// shared prompt tokens are pinned in every sequence that holds them.
 ///
-/// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K> — how tokens map to KV streams, and
-///                   which layers keep a cache
+/// \tparam Layout    layout::GQA, layout::CrossLayer<GQA, K>, layout::MLA — how tokens map to KV
+///                   streams, and which layers keep a cache
 /// \tparam Quantizer quant::Float<T>, quant::FP8<F>, quant::Int8, quant::Q8_0, quant::Q4_0, ...
 /// \tparam Evictor   evict::KeepAll, evict::StreamingLLM<Budget>, evict::H2O<Budget>, evict::SnapKV<Budget>
 ///                   — which tokens each (layer, KV stream) drops after a write; see "Eviction" below
@@ -196,11 +197,6 @@ class KVCache {
     // shape_ was validated: layers > 0 (max() tells the compiler so).
     calibrated_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(std::max<index_t>(cache_layers_, 1)));
     if (config_.prefix_sharing) {
-      // An evictor's dead slots and compactions would have to be shared or undone per sequence,
-      // and a hit would need the evictor's per-slot state (scores, live rows) rebuilt: not yet.
-      KVPACK_CHECK(!kEvicts, kUnsupported,
-                   "CacheConfig.prefix_sharing needs an evictor that keeps every token (evict::KeepAll): "
-                   "shared pages under eviction are not supported yet");
       // The exact prefix is fp32 rows per sequence, not pages: a hit could not supply them.
       KVPACK_CHECK(config_.exact_prefix_tokens == 0, kUnsupported,
                    detail::message("CacheConfig.prefix_sharing shares whole pages from the first token: it needs "
@@ -276,7 +272,10 @@ class KVCache {
         }
         state.tokens = cached;
         state.last_position = cached - 1;
+        if constexpr (kEvicts) adopt_eviction_state(state, hit.pages);
       }
+      // Shared pages are pinned: evicting from one frees nothing while others hold it.
+      if constexpr (kEvicts) sequence->pins.emplace_back(0, cached - 1);
     }
     sequence->lease = std::move(hit.lease);
     const Sequence& added = *sequence;
@@ -301,8 +300,10 @@ class KVCache {
   /// layer holds, so that sequences added from now on can reuse them; release does the same.
   /// Call it after prefilling a prompt that concurrent requests share (a system prompt). Pages
   /// cover tokens from position 0 without gaps; a partial page, tokens beyond the prompt and
-  /// pages written at other positions (append with gaps) are not cached. Returns the prompt
-  /// tokens now cached (a multiple of page_size).
+  /// pages written at other positions (append with gaps) are not cached; with an evictor, nor
+  /// pages it dropped slots from or compacted, and the cached tokens are pinned in `seq` (as in
+  /// every sequence that adopts them). Returns the prompt tokens now cached (a multiple of
+  /// page_size).
   /// \throws kvpack::Error(kUnsupported) without prefix sharing, (kInvalidArgument) for a
   ///         sequence added without tokens
   index_t share_prefix(SeqId seq) {
@@ -1966,24 +1967,53 @@ class KVCache {
   [[nodiscard]] std::size_t shareable_pages(const Sequence& sequence) const noexcept {
     const std::size_t page = static_cast<std::size_t>(config_.page_size);
     std::size_t pages = sequence.prompt.size() / page;
+    // Page p must hold positions [p·page, (p + 1)·page), every slot live: its last slot at the
+    // last of them (positions increase within a page), and — once an evictor may have dropped
+    // or compacted slots, in any stream — its first slot at the first and a full live mask.
+    const auto intact = [&](PageId id, std::size_t p) {
+      std::int32_t first = 0, last = 0;
+      std::memcpy(&first, pool_.metadata(id), sizeof(first));
+      std::memcpy(&last, pool_.metadata(id) + (page - 1) * sizeof(std::int32_t), sizeof(last));
+      if (static_cast<std::size_t>(last) != (p + 1) * page - 1) return false;
+      if constexpr (kEvicts) {
+        return static_cast<std::size_t>(first) == p * page && live_count(live_mask(id)) == config_.page_size;
+      }
+      return true;
+    };
     for (const LayerState& state : sequence.layers) {
       if (state.tables.empty()) return 0;
-      pages = std::min(pages, state.tables[0].size());
-      std::size_t ok = 0;
-      for (; ok < pages; ++ok) {
-        std::int32_t last = 0;
-        std::memcpy(&last, pool_.metadata(state.tables[0][ok]) + (page - 1) * sizeof(std::int32_t), sizeof(last));
-        if (static_cast<std::size_t>(last) != (ok + 1) * page - 1) break;
+      const index_t streams = kEvicts ? streams_ : 1;
+      for (index_t s = 0; s < streams; ++s) {
+        pages = std::min(pages, state.tables[s].size());
+        std::size_t ok = 0;
+        while (ok < pages && intact(state.tables[s][ok], ok)) ++ok;
+        pages = ok;
       }
-      pages = ok;
     }
     return pages;
   }
 
-  /// Caches `sequence`'s shareable pages; the sequence's lease moves to the longer path.
+  /// The eviction state a prefill of `pages` whole pages leaves before any token is dropped:
+  /// every slot live, scores 0, an empty full-precision window.
+  void adopt_eviction_state(LayerState& state, std::size_t pages) {
+    state.eviction.resize(static_cast<std::size_t>(streams_));
+    for (StreamEviction& stream : state.eviction) {
+      stream.row_live.assign(static_cast<std::size_t>(tail_capacity()), 1);
+      if constexpr (kKeepsScores) {
+        stream.row_scores.assign(static_cast<std::size_t>(tail_capacity()), 0.0f);
+        stream.page_scores.assign(pages * static_cast<std::size_t>(config_.page_size), 0.0f);
+      }
+      stream.live_tokens = static_cast<index_t>(pages) * config_.page_size;
+    }
+  }
+
+  /// Caches `sequence`'s shareable pages; the sequence's lease moves to the longer path. With
+  /// an evicting cache, the cached tokens are pinned in `sequence` as in every sequence that
+  /// adopts them.
   index_t insert_prefix(Sequence& sequence) {
     const std::size_t pages = shareable_pages(sequence);
     if (pages == 0) return 0;
+    if constexpr (kEvicts) sequence.pins.reserve(sequence.pins.size() + 1);  // no throw after the insert
     const std::size_t streams = static_cast<std::size_t>(cache_layers_) * streams_;
     std::vector<PageId> ids(pages * streams);
     for (index_t layer = 0; layer < cache_layers_; ++layer) {
@@ -1996,6 +2026,7 @@ class KVCache {
     paging::PrefixLease lease =
         prefix_index_->insert(prefix_key(sequence.salt), std::span<const paging::TokenId>(sequence.prompt).first(tokens), ids);
     if (lease.pages() >= sequence.lease.pages()) sequence.lease = std::move(lease);
+    if constexpr (kEvicts) sequence.pins.emplace_back(0, static_cast<std::int64_t>(tokens) - 1);
     return static_cast<index_t>(tokens);
   }
 

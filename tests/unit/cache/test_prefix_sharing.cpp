@@ -376,10 +376,6 @@ TEST_CASE("prefix sharing's bad input", "[cache][prefix][errors]") {
     config = sharing_config();
     config.exact_prefix_tokens = 4;
     CHECK(code_of([&] { KVCache<layout::GQA, quant::Q8_0> c(kShape, config); }) == ErrorCode::kUnsupported);
-    config = sharing_config();
-    using Evicting = KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>>;
-    CHECK(code_of([&] { Evicting c(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{64}}); }) ==
-          ErrorCode::kUnsupported);
   }
   SECTION("calls that fail leave the cache as it was") {
     KVCache<layout::GQA, quant::Q8_0> off(kShape, [] {
