@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bench_codecs.hpp"
+#include "shared_fixture.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace {
@@ -139,14 +140,6 @@ struct CacheFixture final : AttendFixture {
   }
 };
 
-std::unique_ptr<AttendFixture>& current_fixture() {
-  static std::unique_ptr<AttendFixture> fixture;
-  return fixture;
-}
-std::string& current_key() {
-  static std::string key;
-  return key;
-}
 /// fp16's seconds per layer, by "context/threads": the baseline of speedup_vs_fp16.
 std::map<std::string, double>& fp16_seconds() {
   static std::map<std::string, double> seconds;
@@ -156,12 +149,8 @@ std::map<std::string, double>& fp16_seconds() {
 template <class Quantizer>
 void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache) {
   const std::string key = fmt::format("{}/{}/{}", Quantizer::name(), context, in_cache);
-  if (current_key() != key) {
-    current_fixture().reset();  // free the previous codec's pages first
-    current_fixture() = std::make_unique<CacheFixture<Quantizer>>(context, in_cache);
-    current_key() = key;
-  }
-  AttendFixture& fixture = *current_fixture();
+  AttendFixture& fixture = bench::shared_fixture<AttendFixture>(
+      key, [&] { return std::make_unique<CacheFixture<Quantizer>>(context, in_cache); });
   std::vector<float> q(static_cast<std::size_t>(kLayerShape.q_heads) * kLayerShape.head_dim);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvpack/kvpack.hpp"
+#include "shared_fixture.hpp"
 
 namespace {
 
@@ -136,14 +137,6 @@ struct MultiHeadFixture final : Fixture {
   }
 };
 
-std::unique_ptr<Fixture>& current_fixture() {
-  static std::unique_ptr<Fixture> fixture;
-  return fixture;
-}
-std::string& current_key() {
-  static std::string key;
-  return key;
-}
 /// The multi-head form's seconds per layer, by "context/threads".
 std::map<std::string, double>& mha_seconds() {
   static std::map<std::string, double> seconds;
@@ -153,12 +146,7 @@ std::map<std::string, double>& mha_seconds() {
 void run(benchmark::State& state, const std::string& name, index_t context, int threads,
          const std::function<std::unique_ptr<Fixture>()>& make) {
   const std::string key = fmt::format("{}/{}", name, context);
-  if (current_key() != key) {
-    current_fixture().reset();  // free the previous fixture's pages first
-    current_fixture() = make();
-    current_key() = key;
-  }
-  Fixture& fixture = *current_fixture();
+  Fixture& fixture = bench::shared_fixture<Fixture>(key, make);
   fixture.pool = threads > 1 ? &pool_of(threads) : nullptr;
   std::vector<float> q(fixture.query_floats);
   std::mt19937 rng(7);

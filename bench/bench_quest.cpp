@@ -38,6 +38,7 @@
 #include "bench_codecs.hpp"
 #include "kvpack/kvpack.hpp"
 #include "kvpack/select/quest.hpp"
+#include "shared_fixture.hpp"
 
 namespace {
 
@@ -147,14 +148,6 @@ struct QuestFixture final : Fixture {
   }
 };
 
-std::unique_ptr<Fixture>& current_fixture() {
-  static std::unique_ptr<Fixture> fixture;
-  return fixture;
-}
-std::string& current_key() {
-  static std::string key;
-  return key;
-}
 /// Dense seconds per step, by codec: the baseline of speedup.
 std::map<std::string, double>& dense_seconds() {
   static std::map<std::string, double> seconds;
@@ -165,12 +158,7 @@ std::map<std::string, double>& dense_seconds() {
 template <class Quantizer>
 void quest_benchmark(benchmark::State& state, index_t budget_tokens) {
   const std::string key = Quantizer::name();
-  if (current_key() != key) {
-    current_fixture().reset();  // free the previous codec's pages first
-    current_fixture() = std::make_unique<QuestFixture<Quantizer>>();
-    current_key() = key;
-  }
-  Fixture& fixture = *current_fixture();
+  Fixture& fixture = bench::shared_fixture<Fixture>(key, [] { return std::make_unique<QuestFixture<Quantizer>>(); });
   select::Quest quest;
   quest.token_budget = budget_tokens;
   const index_t page_size = kContext / fixture.pages;

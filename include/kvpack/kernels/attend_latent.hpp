@@ -136,12 +136,7 @@ void latent_pass(const PageRun& pages, index_t rope_dim, const LatentCodecs<KeyC
       std::copy_n(tail.keys + static_cast<std::size_t>(r) * rope_dim, rope_dim, tile + r * width + latent_dim);
     }
     kernels.score_rows({tile, tail.count, width, width, queries, group, ws.scores(), ws.score_stride()});
-    if (tail.live != nullptr) {
-      for (index_t r = 0; r < tail.count; ++r) {
-        if (tail.live[r] != 0) continue;
-        for (index_t h = 0; h < group; ++h) ws.scores()[h * ws.score_stride() + r] = -std::numeric_limits<float>::infinity();
-      }
-    }
+    mask_dead_rows(tail, group, ws);
     SoftmaxArgs step = softmax_base;
     step.count = tail.count;
     kernels.softmax(step);

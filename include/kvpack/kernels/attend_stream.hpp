@@ -129,6 +129,15 @@ inline void copy_scores(const Workspace& ws, index_t group, index_t count, const
   }
 }
 
+/// Sets the tail's scores of rows an evictor dropped to -inf (weight 0).
+inline void mask_dead_rows(const TailView& tail, index_t group, const Workspace& ws) noexcept {
+  if (tail.live == nullptr) return;
+  for (index_t r = 0; r < tail.count; ++r) {
+    if (tail.live[r] != 0) continue;
+    for (index_t h = 0; h < group; ++h) ws.scores()[h * ws.score_stride() + r] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 /// out[h] = softmax(q[h] · K) V over every live slot of `pages` (its `count` is the whole
 /// stream) and every row of `tail`. `queries` already carry the softmax scale. The workspace
 /// must have been prepared for (group, head_dim, page_size, tail.count). With `key_rope`, keys
@@ -181,12 +190,7 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
     } else {
       kernels.score_rows(tail_rows);
     }
-    if (tail.live != nullptr) {
-      for (index_t r = 0; r < tail.count; ++r) {
-        if (tail.live[r] != 0) continue;
-        for (index_t h = 0; h < group; ++h) ws.scores()[h * ws.score_stride() + r] = -std::numeric_limits<float>::infinity();
-      }
-    }
+    mask_dead_rows(tail, group, ws);
     SoftmaxArgs step = softmax_base;
     step.count = tail.count;
     if (record != nullptr) copy_scores(ws, group, tail.count, record, pages.count * pages.page_size);
