@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -192,6 +193,67 @@ TEMPLATE_TEST_CASE("the latent kernel matches the double-precision reference on 
   check_latent_kernel_on_every_isa<TestType>(5, 32, 32, 32, 20, 12);  // tail only
   check_latent_kernel_on_every_isa<TestType>(4, 32, 32, 16, 2000, 14);  // 4 chunks: 4 runs on threads
   check_latent_kernel_on_every_isa<TestType>(128, 512, 64, 64, 600, 13);  // a chunk of 512, a page, a tail
+}
+
+TEST_CASE("the latent kernel carries NaN and Inf like the reference on every ISA", "[cache][mla][kernels]") {
+  // Unchecked input (check_inputs off) in fp32 planes: +Inf in a latent (it scores +Inf for heads
+  // whose query is positive there, so their softmax is exp(inf - inf) = NaN; the others weigh it
+  // 0, and 0 · inf = NaN in that channel) and -Inf in a RoPE key (the same by the query's sign,
+  // without the value). A NaN anywhere would make every output NaN: no test of agreement.
+  using Quantizer = quant::MLA<quant::Float<float>, quant::Float<float>>;
+  const index_t heads = 8, latent = 32, rope = 16, page = 16, tokens = 40;
+  CacheConfig config;
+  config.page_size = page;
+  config.check_inputs = false;
+  KVCache<layout::MLA, Quantizer> cache(ModelShape{1, heads, 1, 64}, config, {}, layout::MLA{latent, rope});
+  LatentRows rows = latent_rows(tokens, latent, rope, 90);
+  rows.latents[3 * latent + 7] = std::numeric_limits<float>::infinity();
+  rows.rope_keys[37 * rope + 2] = -std::numeric_limits<float>::infinity();  // in the tail
+  const SeqId seq = cache.add_sequence();
+  cache.prefill(seq, 0, std::span<const float>(rows.rope_keys), std::span<const float>(rows.latents));
+  const StoredTokens stored = cache.read_back(seq, 0, 0);
+  const auto queries = test::random_rows(heads, latent + rope, 91);
+  const std::vector<double> expected = reference_latent_attention(stored, queries, heads, 0.2);
+
+  const std::span<const PageId> table = cache.pages(seq, 0, 0);
+  std::vector<const std::byte*> payloads;
+  for (PageId id : table) payloads.push_back(cache.pool().payload(id));
+  const index_t paged = static_cast<index_t>(table.size()) * page;
+  const std::vector<float> tail_keys(stored.keys.begin() + paged * rope, stored.keys.end());
+  const std::vector<float> tail_values(stored.values.begin() + paged * latent, stored.values.end());
+  const kernels::TailView tail{tail_keys.data(), tail_values.data(), tokens - paged, nullptr};
+  const kernels::PageRun run{payloads.data(), nullptr, static_cast<index_t>(payloads.size()), 0, page, latent,
+                             cache.value_plane_offset(), cache.page_format_info().payload_bytes};
+  const Quantizer quantizer{};
+  const kernels::LatentCodecs<Quantizer::key_codec, Quantizer::value_codec> codecs{&quantizer.key, {}, &quantizer.value,
+                                                                                   {}};
+  std::vector<float> scaled(queries.size());
+  std::transform(queries.begin(), queries.end(), scaled.begin(), [](float x) { return x * 0.2f; });
+  kernels::Workspace workspace;
+  workspace.prepare(heads, latent + rope, page, tail.count);
+  std::vector<float> tile(kernels::latent_tile_floats(page, latent, rope, tail.count));
+  int non_finite = 0;
+  for (double x : expected) non_finite += std::isfinite(x) ? 0 : 1;
+  REQUIRE(non_finite > 0);
+  REQUIRE(non_finite < static_cast<int>(expected.size()));
+  kernels::cpu::cpu_archs::for_each([&](auto arch) {
+    using Arch = decltype(arch);
+    if (!kernels::cpu::cpu_supports<Arch>()) return;
+    std::vector<float> out(static_cast<std::size_t>(heads) * latent);
+    kernels::attend_latent_stream(
+        run, rope, codecs, tail, scaled.data(), heads, out.data(), workspace, tile.data(),
+        kernels::LatentKernelSet<Quantizer::key_codec, Quantizer::value_codec>::template for_arch<Arch>());
+    INFO("isa " << kernels::cpu::isa_name<Arch>());
+    int mismatched = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      // Non-finite where the reference is; finite ones to fp32 rounding of the finite sums.
+      const bool agree = std::isfinite(expected[i])
+                             ? std::isfinite(out[i]) && std::fabs(out[i] - expected[i]) <= 1e-4 * (1.0 + std::fabs(expected[i]))
+                             : !std::isfinite(out[i]);
+      mismatched += agree ? 0 : 1;
+    }
+    CHECK(mismatched == 0);
+  });
 }
 
 TEST_CASE("MLA holds DeepSeek-V2's 576 elements per token and layer, 57x fewer bytes than MHA", "[cache][mla]") {
