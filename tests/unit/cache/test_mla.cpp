@@ -86,6 +86,37 @@ LatentRows latent_rows(index_t tokens, index_t latent, index_t rope, std::uint32
   return rows;
 }
 
+/// One layer's latent stream of a cache, as the kernel reads it: its pages, the tail (the stored
+/// rows after the last whole page), the codecs with their parameters.
+template <class Cache>
+struct LatentStream {
+  using Quantizer = typename Cache::quantizer_type;
+  std::vector<const std::byte*> payloads;
+  std::vector<float> tail_keys, tail_values;
+  Quantizer quantizer{};
+  kernels::PageRun run;
+  kernels::TailView tail;
+  kernels::LatentCodecs<typename Quantizer::key_codec, typename Quantizer::value_codec> codecs;
+  index_t pages = 0;
+
+  LatentStream(const Cache& cache, SeqId seq, const StoredTokens& stored) {
+    const index_t page_size = cache.config().page_size;
+    const index_t latent = stored.value_dim, rope = stored.key_dim;
+    const std::span<const PageId> table = cache.pages(seq, 0, 0);
+    for (PageId id : table) payloads.push_back(cache.pool().payload(id));
+    pages = static_cast<index_t>(table.size());
+    const index_t paged = pages * page_size;
+    tail_keys.assign(stored.keys.begin() + paged * rope, stored.keys.end());
+    tail_values.assign(stored.values.begin() + paged * latent, stored.values.end());
+    tail = {tail_keys.data(), tail_values.data(), stored.size() - paged, nullptr};
+    run = {payloads.data(), nullptr, pages, 0, page_size, latent, cache.value_plane_offset(),
+           cache.page_format_info().payload_bytes};
+    const auto [rope_params, latent_params] = cache.codec_params(0, 0);
+    codecs = {&quantizer.key, rope_params, &quantizer.value, latent_params};
+  }
+  LatentStream(const LatentStream&) = delete;  // codecs point into quantizer
+};
+
 template <class Quantizer>
 void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t rope, index_t page_size,
                                       index_t tokens, std::uint32_t seed) {
@@ -106,23 +137,12 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
   const float scale = 1.0f / std::sqrt(static_cast<float>(latent + rope));
   const std::vector<double> expected = reference_latent_attention(stored, queries, q_heads, scale);
 
-  // The kernel on the cache's own pages and tail (the rows after the last whole page).
-  const std::span<const PageId> table = cache.pages(seq, 0, 0);
-  std::vector<const std::byte*> payloads;
-  for (PageId page : table) payloads.push_back(cache.pool().payload(page));
-  const index_t paged = static_cast<index_t>(table.size()) * page_size;
-  const std::vector<float> tail_keys(stored.keys.begin() + paged * rope, stored.keys.end());
-  const std::vector<float> tail_values(stored.values.begin() + paged * latent, stored.values.end());
-  const kernels::TailView tail{tail_keys.data(), tail_values.data(), tokens - paged, nullptr};
-  const kernels::PageRun run{payloads.data(), nullptr, static_cast<index_t>(payloads.size()), 0, page_size, latent,
-                             cache.value_plane_offset(), cache.page_format_info().payload_bytes};
-  const auto [rope_params, latent_params] = cache.codec_params(0, 0);
-  const Quantizer quantizer{};
-  const kernels::LatentCodecs<KeyCodec, ValueCodec> codecs{&quantizer.key, rope_params, &quantizer.value,
-                                                           latent_params};
+  // The kernel on the cache's own pages and tail.
+  const LatentStream<Cache> stream(cache, seq, stored);
+  const kernels::TailView& tail = stream.tail;
   std::vector<float> scaled(queries.size());
   std::transform(queries.begin(), queries.end(), scaled.begin(), [&](float x) { return x * scale; });
-  const test::DecodedTokens decoded = decoded_tokens(stored, page_size, static_cast<index_t>(table.size()));
+  const test::DecodedTokens decoded = decoded_tokens(stored, page_size, stream.pages);
 
   // Per head, the bound for fp32 value sums and for the codec's integer value operands (the
   // value kernel's path on AVX-512); keys are scored in fp32 from the decoded tile either way.
@@ -157,8 +177,8 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
     if (!kernels::cpu::cpu_supports<Arch>()) return;
     ++isas;
     std::vector<float> out(static_cast<std::size_t>(q_heads) * latent, -1.0f);
-    kernels::attend_latent_stream(run, rope, codecs, tail, scaled.data(), q_heads, out.data(), workspace, tile.data(),
-                                  kernels::LatentKernelSet<KeyCodec, ValueCodec>::template for_arch<Arch>());
+    kernels::attend_latent_stream(stream.run, rope, stream.codecs, tail, scaled.data(), q_heads, out.data(), workspace,
+                                  tile.data(), kernels::LatentKernelSet<KeyCodec, ValueCodec>::template for_arch<Arch>());
     INFO(Quantizer::name() << " isa " << kernels::cpu::isa_name<Arch>() << " heads=" << q_heads << " latent="
                            << latent << " rope=" << rope << " P=" << page_size << " tokens=" << tokens);
     CHECK(worst_ratio(out, std::is_same_v<Arch, xsimd::avx512bw>) <= 1.0);
@@ -215,18 +235,8 @@ TEST_CASE("the latent kernel carries NaN and Inf like the reference on every ISA
   const auto queries = test::random_rows(heads, latent + rope, 91);
   const std::vector<double> expected = reference_latent_attention(stored, queries, heads, 0.2);
 
-  const std::span<const PageId> table = cache.pages(seq, 0, 0);
-  std::vector<const std::byte*> payloads;
-  for (PageId id : table) payloads.push_back(cache.pool().payload(id));
-  const index_t paged = static_cast<index_t>(table.size()) * page;
-  const std::vector<float> tail_keys(stored.keys.begin() + paged * rope, stored.keys.end());
-  const std::vector<float> tail_values(stored.values.begin() + paged * latent, stored.values.end());
-  const kernels::TailView tail{tail_keys.data(), tail_values.data(), tokens - paged, nullptr};
-  const kernels::PageRun run{payloads.data(), nullptr, static_cast<index_t>(payloads.size()), 0, page, latent,
-                             cache.value_plane_offset(), cache.page_format_info().payload_bytes};
-  const Quantizer quantizer{};
-  const kernels::LatentCodecs<Quantizer::key_codec, Quantizer::value_codec> codecs{&quantizer.key, {}, &quantizer.value,
-                                                                                   {}};
+  const LatentStream<decltype(cache)> stream(cache, seq, stored);
+  const kernels::TailView& tail = stream.tail;
   std::vector<float> scaled(queries.size());
   std::transform(queries.begin(), queries.end(), scaled.begin(), [](float x) { return x * 0.2f; });
   kernels::Workspace workspace;
@@ -241,7 +251,7 @@ TEST_CASE("the latent kernel carries NaN and Inf like the reference on every ISA
     if (!kernels::cpu::cpu_supports<Arch>()) return;
     std::vector<float> out(static_cast<std::size_t>(heads) * latent);
     kernels::attend_latent_stream(
-        run, rope, codecs, tail, scaled.data(), heads, out.data(), workspace, tile.data(),
+        stream.run, rope, stream.codecs, tail, scaled.data(), heads, out.data(), workspace, tile.data(),
         kernels::LatentKernelSet<Quantizer::key_codec, Quantizer::value_codec>::template for_arch<Arch>());
     INFO("isa " << kernels::cpu::isa_name<Arch>());
     int mismatched = 0;
