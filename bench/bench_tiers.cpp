@@ -4,9 +4,10 @@
 //   under /tmp, so the OS page cache serves reads), Redis on loopback (RedisTier against a
 //   redis-server this bench starts; its rows are skipped without hiredis or redis-server).
 //   8 KiB is one page of one (layer, KV head) stream of Llama-3.1-8B at 16 tokens in fp16.
-// BM_Restore: fetch_sequence from a HostTier into a cache (parse every section's CRC32C,
-//   re-encode through the cache, compare every page byte): the restore bandwidth the planner
-//   (kvpack/tier/fetch_planner.hpp) charges on top of the tier's own.
+// BM_Restore/check: fetch_sequence from a HostTier into a cache (parse every section's CRC32C,
+//   copy the pages into the pool) at each PageCheck: 0 kReencode (decode, re-encode and compare
+//   every page), 1 kFinite (decode every page), 2 kStructure (positions and masks only): the
+//   restore bandwidth the planner (kvpack/tier/fetch_planner.hpp) charges on top of the tier's.
 
 #include <benchmark/benchmark.h>
 
@@ -149,6 +150,7 @@ BENCHMARK(BM_Put)->Apply(tier_args)->ArgNames({"tier", "page_bytes", "pages"})->
 // A q8_0 sequence at Llama-3.1-8B's KV shape cut to 8 layers, 2048 tokens: a 34 MiB page file.
 void BM_Restore(benchmark::State& state) {
   using Cache = KVCache<layout::GQA, quant::Q8_0>;
+  const auto check = static_cast<PageCheck>(state.range(0));
   constexpr ModelShape shape{8, 32, 8, 128};
   constexpr index_t tokens = 2048;
   Cache source(shape);
@@ -167,7 +169,7 @@ void BM_Restore(benchmark::State& state) {
   const std::size_t bytes = tier::store_sequence(host, key, source, seq, ids, "bench");
   Cache target(shape);
   for (auto _ : state) {
-    const std::optional<SeqId> loaded = tier::fetch_sequence(host, key, target, ids);
+    const std::optional<SeqId> loaded = tier::fetch_sequence(host, key, target, ids, check);
     state.PauseTiming();
     target.release(*loaded);
     state.ResumeTiming();
@@ -177,7 +179,7 @@ void BM_Restore(benchmark::State& state) {
   state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(tokens) * state.iterations(),
                                                       benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_Restore)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Restore)->ArgName("check")->DenseRange(0, 2)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -1,16 +1,16 @@
 /// \file fetch_planner.cpp
 /// \brief Fetch a prompt's K/V from a tier, or recompute it? kvpack/tier/fetch_planner.hpp's
 /// planner with its inputs measured here: each tier's latency and bandwidth (measure_tier), the
-/// bandwidth of restoring a page file into a q8_0 cache (fetch_sequence: parse, checksums,
-/// re-encode, byte-for-byte check), and stories260K's prefill per token (the llama2c engine, one
+/// bandwidth of restoring a page file into a q8_0 cache (fetch_sequence: parse, checksums, copy
+/// the pages into the pool, check them at each PageCheck), and stories260K's prefill per token (the llama2c engine, one
 /// thread). Llama-3.1-8B's prefill on this CPU is not run: it is estimated as 2·N FLOP per token
 /// at the core's fp32 FMA peak (common/tier_model.hpp), which only makes a recompute look cheaper,
 /// and also at an H100-class GPU's peak with the tiers and restore as measured here (a what-if).
 ///
-///   fetch_planner [--model-dir DIR] [--redis-port N] [--context N]
+///   fetch_planner [--model-dir DIR] [--redis-port N] [--context N] [--page-check reencode|finite|structure]
 ///
 /// Prints the measured costs, then per model and tier the crossover (tokens from which fetching
-/// wins) and the plan for a prompt of --context tokens.
+/// wins) and the plan for a prompt of --context tokens, restoring at --page-check.
 
 #include <fmt/core.h>
 
@@ -49,12 +49,15 @@ struct Options {
   std::string model_dir = llama2c::default_model_dir().string();
   std::optional<int> redis_port;
   std::int64_t context = 4096;
+  PageCheck check = PageCheck::kReencode;
   bool help = false;
 };
 
+constexpr const char* kCheckNames[] = {"reencode", "finite", "structure"};
+
 void print_usage(std::FILE* stream) {
   fmt::print(stream,
-             "usage: fetch_planner [--model-dir DIR] [--redis-port N] [--context N]\n"
+             "usage: fetch_planner [--model-dir DIR] [--redis-port N] [--context N] [--page-check CHECK]\n"
              "\n"
              "Measures each tier (host memory, disk under the temporary directory, and Redis on\n"
              "127.0.0.1:N when --redis-port is given), restoring a page file into a cache, and\n"
@@ -62,7 +65,10 @@ void print_usage(std::FILE* stream) {
              "\n"
              "  --model-dir DIR   stories260K files (default $KVPACK_MODEL_DIR or ../shared/models/stories260K)\n"
              "  --redis-port N    also measure a Redis server listening on 127.0.0.1:N\n"
-             "  --context N       prompt length the plans are made for (default 4096)\n");
+             "  --context N       prompt length the plans are made for (default 4096)\n"
+             "  --page-check CHECK  what a restore verifies of each page: reencode (default: decode,\n"
+             "                    re-encode, compare), finite (decode), structure (positions only:\n"
+             "                    for a tier only kvpack writes)\n");
 }
 
 Options parse(int argc, char** argv) {
@@ -77,6 +83,13 @@ Options parse(int argc, char** argv) {
       o.redis_port = args.number<int>(1, 65535);
     } else if (args.is("--context")) {
       o.context = args.number<std::int64_t>(1, std::int64_t{1} << 24);
+    } else if (args.is("--page-check")) {
+      const std::string_view name = args.value();
+      const auto found = std::find(std::begin(kCheckNames), std::end(kCheckNames), name);
+      if (found == std::end(kCheckNames)) {
+        throw UsageError{fmt::format("--page-check: '{}' is not reencode, finite or structure", name)};
+      }
+      o.check = static_cast<PageCheck>(found - std::begin(kCheckNames));
     } else {
       throw UsageError{fmt::format("unknown argument '{}'", args.name())};
     }
@@ -86,9 +99,9 @@ Options parse(int argc, char** argv) {
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-/// Bytes per second of fetch_sequence from a host tier into a q8_0 cache: one sequence of 1024
-/// tokens at Llama-3.1-8B's KV shape cut to 8 layers (17 MiB of page file); the median of 3.
-double measure_restore() {
+/// Bytes per second of fetch_sequence from a host tier into a q8_0 cache at `check`: one sequence
+/// of 1024 tokens at Llama-3.1-8B's KV shape cut to 8 layers (17 MiB of page file); the median of 3.
+double measure_restore(PageCheck check) {
   using Cache = KVCache<layout::GQA, quant::Q8_0>;
   constexpr ModelShape shape{8, 32, 8, 128};
   constexpr index_t tokens = 1024;
@@ -110,7 +123,7 @@ double measure_restore() {
   std::vector<double> seconds;
   for (int r = 0; r < 3; ++r) {
     const auto start = Clock::now();
-    const std::optional<SeqId> loaded = tier::fetch_sequence(host, key, target, ids);
+    const std::optional<SeqId> loaded = tier::fetch_sequence(host, key, target, ids, check);
     seconds.push_back(seconds_since(start));
     target.release(*loaded);
   }
@@ -173,15 +186,18 @@ int run(const Options& o) {
     throw UsageError{"--redis-port: this build has no hiredis (install libhiredis-dev and reconfigure)"};
 #endif
   }
-  const double restore = measure_restore();
+  double restores[3] = {};
+  for (int c = 0; c < 3; ++c) restores[c] = measure_restore(static_cast<PageCheck>(c));
+  const double restore = restores[static_cast<int>(o.check)];
 
   fmt::print("Fetch a prompt's K/V from a tier, or recompute it? (measured {})\n\n", "on this machine, one thread");
   fmt::print("tier                 latency      bandwidth   (measure_tier: median get of 64 B, of 8 MiB)\n");
   for (const MeasuredTier& t : tiers) {
     fmt::print("{:<20} {:>7.1f} us {:>9.2f} GB/s\n", t.name, t.cost.latency_s * 1e6, t.cost.bytes_per_s / 1e9);
   }
-  fmt::print("restore (page file into a q8_0 cache: parse, checksums, re-encode, compare): {:.3f} GB/s\n\n",
-             restore / 1e9);
+  fmt::print("restore (page file into a q8_0 cache: parse, checksums, copy pages; --page-check):");
+  for (int c = 0; c < 3; ++c) fmt::print(" {} {:.3f} GB/s{}", kCheckNames[c], restores[c] / 1e9, c < 2 ? "," : "");
+  fmt::print("\nplans below restore at --page-check {}\n\n", kCheckNames[static_cast<int>(o.check)]);
 
   struct Model {
     std::string name;

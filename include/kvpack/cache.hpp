@@ -22,6 +22,7 @@
 
 #include "kvpack/cache_config.hpp"
 #include "kvpack/core/half.hpp"
+#include "kvpack/encoded_page.hpp"
 #include "kvpack/evict/attention_scores.hpp"
 #include "kvpack/evict/evict_concepts.hpp"
 #include "kvpack/evict/keep_all.hpp"
@@ -407,6 +408,93 @@ class KVCache {
     write_tokens(state, layer, as_floats(key, 0), as_floats(value, 1), 1,
                  static_cast<std::int32_t>(position), "append");
     if constexpr (kEvicts) evict_layer(sequence, state, layer, Evictor::kEvictsOnAppend);
+  }
+
+  /// Appends `pages` whole pages per KV stream, encoded elsewhere (a page file, a tier), to one
+  /// layer by copying their bytes: nothing is decoded into rows and re-encoded through prefill.
+  /// `page_of(s, p)` returns page p of stream s as an EncodedPage in this cache's format (its
+  /// codecs and their parameters, page size, RoPE storage: the caller matches them). Checked
+  /// before anything changes: the byte sizes; every slot live; positions growing strictly from
+  /// past the layer's last, equal in every stream and within max_position; then `check` on
+  /// each page. The layer must hold no full-precision rows but a complete exact prefix, so its
+  /// tokens so far end on a page boundary.
+  /// \throws kvpack::Error, leaving the cache as it was: kUnsupported for an evicting cache or a
+  ///         codec that calibrates its parameters from data (FP8), or a layer with rows in its
+  ///         tail; kInvalidArgument for bytes that fail a check, naming the stream, page and
+  ///         slot; kOutOfRange for positions beyond max_position; kvpack::OutOfPages.
+  template <class PageOf>
+  void append_encoded_pages(SeqId seq, index_t layer, std::size_t pages, PageOf page_of,
+                            PageCheck check = PageCheck::kReencode) {
+    static constexpr const char* kCall = "append_encoded_pages";
+    KVPACK_CHECK(!kEvicts, kUnsupported,
+                 "append_encoded_pages: an evicting cache keeps per-slot state a page's bytes do not carry");
+    KVPACK_CHECK(!quant::CalibratedCodec<KeyCodec> && !quant::CalibratedCodec<ValueCodec>, kUnsupported,
+                 detail::message("append_encoded_pages: ", Quantizer::name(),
+                                 " calibrates its parameters from the first page a layer encodes, which pages "
+                                 "encoded elsewhere cannot set"));
+    Sequence& sequence = find(seq, kCall);
+    const index_t model_layer = layer;
+    layer = written_layer(layer, kCall);
+    LayerState& state = sequence.layers[layer];
+    KVPACK_CHECK(state.tail_count == 0 && state.prefix_count == config_.exact_prefix_tokens, kUnsupported,
+                 detail::message("append_encoded_pages: layer ", model_layer, " of sequence ", seq, " holds ",
+                                 state.rows_count(), " full-precision rows; pages go after whole pages only"));
+    const std::int64_t last = verify_encoded_pages(state, layer, pages, page_of, check);
+    if (pages == 0) return;
+
+    // Everything that can fail, then the changes (as write_tokens).
+    std::vector<PageId> fresh(pages * static_cast<std::size_t>(streams_));
+    allocate_pages(fresh);
+    const bool first_write = state.tail_keys.empty();
+    LayerState grown;
+    std::size_t table_growth = 0;
+    try {
+      if constexpr (kSummarizes) prepare_summary_scratch();
+      if (first_write) {
+        grown.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
+        grown.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
+        grown.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+      }
+      grown.tables.resize(static_cast<std::size_t>(streams_));
+      for (index_t s = 0; s < streams_; ++s) {
+        const std::vector<PageId>* table = first_write ? nullptr : &state.tables[s];
+        const std::size_t before = table != nullptr ? table->capacity() : 0;
+        grown.tables[s].reserve(std::max((table != nullptr ? table->size() : 0) + pages, before));
+        if (table != nullptr) grown.tables[s].assign(table->begin(), table->end());
+        table_growth += (grown.tables[s].capacity() - before) * sizeof(PageId);
+      }
+    } catch (...) {
+      for (PageId id : fresh) pool_.release(id);
+      throw;
+    }
+    // No more throws from here on.
+    if (first_write) {
+      state.tail_keys = std::move(grown.tail_keys);
+      state.tail_values = std::move(grown.tail_values);
+      state.tail_positions = std::move(grown.tail_positions);
+      tail_bytes_.fetch_add((state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
+                                state.tail_positions.capacity() * sizeof(std::int32_t),
+                            std::memory_order_relaxed);
+    }
+    state.tables.swap(grown.tables);  // the old tables go with `grown`
+    table_bytes_.fetch_add(table_growth, std::memory_order_relaxed);
+    const std::size_t slot_bytes = slot_record_bytes();
+    for (index_t s = 0; s < streams_; ++s) {
+      const std::size_t params = static_cast<std::size_t>(layer) * streams_ + s;
+      for (std::size_t p = 0; p < pages; ++p) {
+        const EncodedPage page = page_of(s, p);
+        const PageId id = fresh[static_cast<std::size_t>(s) * pages + p];
+        std::memcpy(pool_.payload(id), page.payload.data(), page.payload.size());
+        std::memcpy(pool_.metadata(id), page.slots.data(), slot_bytes);
+        if constexpr (kSummarizes) write_summary(id, params, config_.page_size);
+        state.tables[s].push_back(id);
+      }
+    }
+    const auto count = static_cast<index_t>(pages) * config_.page_size;
+    state.tokens += count;
+    state.last_position = last;
+    stored_elements_.fetch_add(static_cast<std::size_t>(count) * streams_ * (key_dim_ + value_dim_),
+                               std::memory_order_relaxed);
   }
 
   /// Pins positions [first, last] of a sequence in every layer, including tokens not written
@@ -1289,6 +1377,88 @@ class KVCache {
       std::memcpy(staging.data() + static_cast<std::size_t>(t) * dim, row_of(begin + t), dim * sizeof(float));
     }
     codec.encode(geometry, staging.data(), dim, params, plane);
+  }
+
+  /// Bytes of a page's slot record: positions, then the live mask.
+  [[nodiscard]] std::size_t slot_record_bytes() const noexcept {
+    return static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t) + live_mask_words() * sizeof(std::uint64_t);
+  }
+
+  /// append_encoded_pages' checks of the bytes, before anything changes; returns the last
+  /// position the pages hold (the layer's last when `pages` is 0).
+  template <class PageOf>
+  std::int64_t verify_encoded_pages(const LayerState& state, index_t layer, std::size_t pages, PageOf& page_of,
+                                    PageCheck check) const {
+    const index_t page = config_.page_size;
+    const std::size_t payload_bytes = pool_.format().payload_bytes;
+    const std::size_t slot_bytes = slot_record_bytes();
+    const index_t model_layer = layout::writer_of(layout_, shape_, layer);
+    const auto where = [&](index_t s, std::size_t p) {
+      return detail::message("layer ", model_layer, " stream ", s, " page ", p);
+    };
+    thread_local std::vector<std::int32_t> positions;  // stream 0's, every stream must match
+    thread_local std::vector<float> decoded;
+    thread_local std::vector<std::byte> reencoded;
+    positions.resize(pages * static_cast<std::size_t>(page));
+    if (check != PageCheck::kStructure) decoded.resize(static_cast<std::size_t>(page) * std::max(key_dim_, value_dim_));
+    if (check == PageCheck::kReencode) reencoded.resize(payload_bytes);
+    // Decodes one plane, checks it finite and, for kReencode, that encoding gives its bytes back.
+    const auto check_plane = [&](const auto& codec, quant::PageGeometry geometry, const auto& params,
+                                 const std::byte* plane, index_t s, std::size_t p, const char* what) {
+      codec.decode(geometry, plane, params, decoded.data());
+      const std::size_t elements = static_cast<std::size_t>(geometry.page_size) * geometry.head_dim;
+      KVPACK_CHECK(std::all_of(decoded.begin(), decoded.begin() + elements, [](float x) { return std::isfinite(x); }),
+                   kInvalidArgument,
+                   detail::message("append_encoded_pages: ", where(s, p), " (", what, ") decodes to NaN or Inf"));
+      if (check != PageCheck::kReencode) return;
+      codec.encode(geometry, decoded.data(), geometry.head_dim, params, reencoded.data());
+      KVPACK_CHECK(std::memcmp(reencoded.data(), plane, codec.plane_bytes(geometry)) == 0, kInvalidArgument,
+                   detail::message("append_encoded_pages: ", where(s, p), " (", what, ") is not what ",
+                                   Quantizer::name(), " encodes for its own decoded values (a non-canonical encoding)"));
+    };
+    std::int64_t previous = state.last_position;
+    for (index_t s = 0; s < streams_; ++s) {
+      const std::size_t params = static_cast<std::size_t>(layer) * streams_ + s;
+      for (std::size_t p = 0; p < pages; ++p) {
+        const EncodedPage encoded = page_of(s, p);
+        KVPACK_CHECK(encoded.payload.size() == payload_bytes && encoded.slots.size() == slot_bytes, kInvalidArgument,
+                     detail::message("append_encoded_pages: ", where(s, p), " has ", encoded.payload.size(),
+                                     " payload and ", encoded.slots.size(), " slot bytes, this cache's pages ",
+                                     payload_bytes, " and ", slot_bytes));
+        for (index_t w = 0; w < static_cast<index_t>(live_mask_words()); ++w) {
+          std::uint64_t word = 0;
+          std::memcpy(&word, encoded.slots.data() + page * sizeof(std::int32_t) + w * sizeof(word), sizeof(word));
+          const index_t bits = std::min<index_t>(64, page - 64 * w);
+          const std::uint64_t full = bits == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
+          KVPACK_CHECK(word == full, kInvalidArgument,
+                       detail::message("append_encoded_pages: ", where(s, p),
+                                       " has dead slots or bits beyond page_size in its live mask"));
+        }
+        for (index_t t = 0; t < page; ++t) {
+          std::int32_t position = 0;
+          std::memcpy(&position, encoded.slots.data() + t * sizeof(position), sizeof(position));
+          std::int32_t& first_stream = positions[p * page + t];
+          if (s == 0) {
+            KVPACK_CHECK(position > previous, kInvalidArgument,
+                         detail::message("append_encoded_pages: ", where(s, p), " slot ", t, " is at position ",
+                                         position, ", not after ", previous));
+            KVPACK_CHECK(position <= max_position(), kOutOfRange,
+                         detail::message("append_encoded_pages: ", where(s, p), " slot ", t, " is at position ",
+                                         position, ", beyond ", max_position(), max_position_reason()));
+            first_stream = position;
+            previous = position;
+          }
+          KVPACK_CHECK(position == first_stream, kInvalidArgument,
+                       detail::message("append_encoded_pages: ", where(s, p), " slot ", t, " is at position ",
+                                       position, ", stream 0's at ", first_stream));
+        }
+        if (check == PageCheck::kStructure) continue;
+        check_plane(quantizer_.key, key_geometry(), key_params_[params], encoded.payload.data(), s, p, "keys");
+        check_plane(quantizer_.value, value_geometry(), value_params_[params],
+                    encoded.payload.data() + value_plane_offset(), s, p, "values");
+      }
+    }
+    return previous;
   }
 
   /// Slot positions, then the live mask.

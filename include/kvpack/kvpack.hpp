@@ -10,6 +10,7 @@
 #include "kvpack/core/half.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/dispatch.hpp"
+#include "kvpack/encoded_page.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/evict/budget.hpp"
 #include "kvpack/evict/h2o.hpp"

@@ -1,6 +1,7 @@
 #pragma once
 /// \file prefix_chunks.hpp
-/// \brief Prompt prefixes in a tier, found by another cache or process: a sequence is stored as
+/// \brief Prompt prefixes in a tier, found by another cache or process (fetch_prefix), or after
+///        the cache's own prefix index (add_sequence): a sequence is stored as
 ///        chunks of `chunk_tokens` tokens (whole pages), each under a key that names every token
 ///        up to its end, and a lookup loads chunks 0, 1, 2, ... until one is missing, damaged or
 ///        unreadable: the longest cached prefix of the prompt, at chunk granularity. The caller
@@ -85,33 +86,31 @@ std::size_t store_chunks(Tier& tier, const Cache& cache, SeqId seq, std::span<co
   return keys.size();
 }
 
-/// What fetch_prefix found.
+/// What fetch_prefix or add_sequence found.
 struct PrefixFetch {
-  SeqId seq{};                  ///< a new sequence holding the loaded prefix (maybe no token)
-  index_t tokens = 0;           ///< tokens loaded: a multiple of chunk_tokens
-  std::size_t chunks = 0;
+  SeqId seq{};                  ///< a new sequence holding the prefix found (maybe no token)
+  index_t tokens = 0;           ///< tokens it holds: prefill the prompt from here
+  index_t cached_tokens = 0;    ///< of them, pages shared from the cache's own prefix index (add_sequence)
+  std::size_t chunks = 0;       ///< chunks loaded from the tier
   std::uint64_t bytes = 0;      ///< entry bytes read
   std::string stopped_because;  ///< why the next chunk was not loaded (empty: the prompt's whole chunks all were)
 };
 
-/// A new sequence in `cache` holding the longest prefix of `tokens` whose chunks are all in
-/// `tier`. A chunk that is missing, cannot be read (kUnavailable), is damaged, holds another
-/// prefix or model, or does not fit ends the prefix there, and `stopped_because` says which.
-/// OutOfPages (the pool is full: an engine preempts) and exceptions that are not
-/// kvpack::Error reach the caller, with the new sequence released.
+namespace chunk_detail {
+
+/// Loads chunks result.tokens / chunk_tokens, … of `keys` (the chunks of `tokens`) after the
+/// pages result.seq holds, until one is missing, unreadable, damaged, foreign or does not fit.
 template <class Cache>
-[[nodiscard]] PrefixFetch fetch_prefix(Tier& tier, Cache& cache, std::span<const std::int32_t> tokens,
-                                       std::string_view model_id, index_t chunk_tokens, std::string_view salt = {}) {
-  const std::vector<std::string> keys = chunk_keys(cache, tokens, model_id, chunk_tokens, salt);
-  PrefixFetch result;
-  result.seq = cache.add_sequence();
+void load_chunks(Tier& tier, Cache& cache, PrefixFetch& result, const std::vector<std::string>& keys,
+                 std::span<const std::int32_t> tokens, std::string_view model_id, index_t chunk_tokens,
+                 PageCheck check) {
   const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
-  for (std::size_t c = 0; c < keys.size(); ++c) {
+  for (std::size_t c = static_cast<std::size_t>(result.tokens) / chunk; c < keys.size(); ++c) {
     try {
       const std::optional<std::vector<std::byte>> entry = tier.get(keys[c]);
       if (!entry) {
         result.stopped_because = detail::message("chunk ", c, " ('", keys[c], "') is not in ", tier.describe());
-        return result;
+        return;
       }
       const std::string what = tier.describe() + " chunk '" + keys[c] + "'";
       const io::PageFileView view = io::PageFileView::parse(*entry, what);
@@ -120,7 +119,7 @@ template <class Cache>
                    kInvalidArgument, detail::message(what, " holds another prefix's tokens"));
       KVPACK_CHECK(view.header().model_id == model_id, kInvalidArgument,
                    detail::message(what, " is model '", view.header().model_id, "', not '", std::string(model_id), "'"));
-      const SeqId longer = io::append_page_file(cache, result.seq, view);
+      const SeqId longer = io::append_page_file(cache, result.seq, view, check);
       cache.release(result.seq);
       result.seq = longer;
       result.tokens += chunk_tokens;
@@ -132,12 +131,65 @@ template <class Cache>
         throw;
       }
       result.stopped_because = error.what();
-      return result;
+      return;
     } catch (...) {
       cache.release(result.seq);
       throw;
     }
   }
+}
+
+}  // namespace chunk_detail
+
+/// A new sequence in `cache` holding the longest prefix of `tokens` whose chunks are all in
+/// `tier`. A chunk that is missing, cannot be read (kUnavailable), is damaged, holds another
+/// prefix or model, or does not fit ends the prefix there, and `stopped_because` says which.
+/// OutOfPages (the pool is full: an engine preempts) and exceptions that are not
+/// kvpack::Error reach the caller, with the new sequence released. `check` is what the loader
+/// verifies of each page (as in fetch_sequence).
+template <class Cache>
+[[nodiscard]] PrefixFetch fetch_prefix(Tier& tier, Cache& cache, std::span<const std::int32_t> tokens,
+                                       std::string_view model_id, index_t chunk_tokens, std::string_view salt = {},
+                                       PageCheck check = PageCheck::kReencode) {
+  const std::vector<std::string> keys = chunk_keys(cache, tokens, model_id, chunk_tokens, salt);
+  PrefixFetch result;
+  result.seq = cache.add_sequence();
+  chunk_detail::load_chunks(tier, cache, result, keys, tokens, model_id, chunk_tokens, check);
+  return result;
+}
+
+/// A new sequence for `prompt` starting with as much of its K/V as the cache or `tier` holds:
+/// first the cache's own prefix index (with CacheConfig::prefix_sharing: pages shared, not
+/// copied, `cached_tokens`), then the tier's chunks (store_chunks) from where that hit ends, as
+/// fetch_prefix loads them. The caller prefills the prompt from `tokens`. Like the cache's
+/// add_sequence(prompt), it leaves at least max(1, tail_tokens) prompt tokens to prefill (the
+/// engine needs the last token's logits). A cached prefix that ends inside a chunk is not
+/// continued from the tier (a chunk's pages cannot be loaded in part); `stopped_because` says so.
+/// The prompt is kept with the sequence, so share_prefix and release cache its pages in memory,
+/// those loaded from the tier included. Errors as fetch_prefix; the cache's own for a prompt it
+/// refuses.
+template <class Cache>
+[[nodiscard]] PrefixFetch add_sequence(Tier& tier, Cache& cache, std::span<const std::int32_t> prompt,
+                                       std::string_view model_id, index_t chunk_tokens, std::string_view salt = {},
+                                       PageCheck check = PageCheck::kReencode) {
+  const std::size_t left = std::max<std::size_t>(1, static_cast<std::size_t>(cache.config().tail_tokens));
+  const std::span<const std::int32_t> lookup = prompt.first(prompt.size() > left ? prompt.size() - left : 0);
+  const std::vector<std::string> keys = chunk_keys(cache, lookup, model_id, chunk_tokens, salt);
+  PrefixFetch result;
+  if (cache.config().prefix_sharing) {
+    const PrefixHit hit = cache.add_sequence(prompt, salt);
+    result.seq = hit.seq;
+    result.tokens = result.cached_tokens = hit.cached_tokens;
+  } else {
+    result.seq = cache.add_sequence();
+  }
+  if (result.tokens % chunk_tokens != 0) {
+    result.stopped_because =
+        detail::message("the cache's own prefix (", result.tokens, " tokens) ends inside chunk ",
+                        result.tokens / chunk_tokens, "; the tier's chunks cannot continue it");
+    return result;
+  }
+  chunk_detail::load_chunks(tier, cache, result, keys, lookup, model_id, chunk_tokens, check);
   return result;
 }
 

@@ -58,12 +58,15 @@ std::size_t store_sequence(Tier& tier, std::string_view key, const Cache& cache,
 }
 
 /// Loads the entry under `key` into `cache` as a new sequence; nullopt when the tier has none.
+/// `check` is what the loader verifies of each page (io::load_page_file): kReencode for a tier
+/// others may write to, kStructure to restore at copy speed from one only kvpack caches write.
 /// \throws kvpack::Error kInvalidArgument when the entry holds other tokens than `tokens` or is
 ///         damaged; kUnavailable when the tier cannot be read; the loader's errors (kUnsupported
 ///         for a cache it cannot fill, OutOfPages). The cache is unchanged whenever it throws.
 template <class Cache>
 [[nodiscard]] std::optional<SeqId> fetch_sequence(Tier& tier, std::string_view key, Cache& cache,
-                                                  std::span<const std::int32_t> tokens) {
+                                                  std::span<const std::int32_t> tokens,
+                                                  PageCheck check = PageCheck::kReencode) {
   const std::optional<std::vector<std::byte>> file = tier.get(key);
   if (!file) return std::nullopt;
   const std::string what = tier.describe() + " entry '" + std::string(key) + "'";
@@ -72,7 +75,7 @@ template <class Cache>
   KVPACK_CHECK(std::equal(stored.begin(), stored.end(), tokens.begin(), tokens.end()), kInvalidArgument,
                detail::message(what, " holds another token sequence (", stored.size(), " tokens, ", tokens.size(),
                                " asked for)"));
-  return io::load_page_file(cache, view);
+  return io::load_page_file(cache, view, check);
 }
 
 /// How a sequence came back.
@@ -85,18 +88,19 @@ struct Restored {
 /// The sequence under `key` in `cache`: fetched from `tier` when `plan` (if given) says fetching
 /// pays, recomputed by `recompute()` (which returns the new SeqId) otherwise, and also when the
 /// tier has no entry, cannot be reached, or holds an entry that is damaged or does not fit this
-/// cache. Errors from `recompute`, and OutOfPages from the fetch, reach the caller.
+/// cache. Errors from `recompute`, and OutOfPages from the fetch, reach the caller. `check` as
+/// in fetch_sequence.
 template <class Cache, class Recompute>
 [[nodiscard]] Restored fetch_or_recompute(Tier& tier, std::string_view key, Cache& cache,
                                           std::span<const std::int32_t> tokens, Recompute&& recompute,
-                                          const FetchPlan* plan = nullptr) {
+                                          const FetchPlan* plan = nullptr, PageCheck check = PageCheck::kReencode) {
   Restored result;
   if (plan != nullptr && !plan->fetch) {
     result.why_recomputed = detail::message("the planner expects a recompute in ", plan->recompute_s,
                                             " s against a fetch in ", plan->fetch_s, " s");
   } else {
     try {
-      if (const std::optional<SeqId> seq = fetch_sequence(tier, key, cache, tokens)) {
+      if (const std::optional<SeqId> seq = fetch_sequence(tier, key, cache, tokens, check)) {
         result.seq = *seq;
         result.fetched = true;
         return result;

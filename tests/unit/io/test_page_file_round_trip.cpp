@@ -107,9 +107,10 @@ void check_same_attention(const Cache& a, SeqId seq, const Cache& b, SeqId copy)
 }
 
 /// Loads the file of a filled cache's sequence into a fresh cache of the same type (behind
-/// another sequence): the loaded sequence writes the same bytes, so it holds the same pages,
-/// positions, live masks and codec parameters (attention over it is then the original's; the
-/// cases below check that too).
+/// another sequence), at every PageCheck: the loaded sequence writes the same bytes, so it holds
+/// the same pages, positions, live masks and codec parameters (attention over it is then the
+/// original's; the cases below check that too). Loaded alone, it counts in memory() as the
+/// original does.
 template <class Cache>
 void load_round_trip(CacheConfig config = {}) {
   Cache original(test::kPageFileShape, config);
@@ -117,20 +118,29 @@ void load_round_trip(CacheConfig config = {}) {
   const std::vector<std::int32_t> tokens = test::token_ids(test::page_file_tokens(config));
   const io::PageFileOptions options{"test-model/3x4x2x64", tokens};
   const std::vector<std::byte> bytes = io::write_page_file(original, seq, options);
-  Cache loaded(test::kPageFileShape, config);
-  (void)test::fill_sequence(loaded, 11);
-  const SeqId copy = io::load_page_file(loaded, io::PageFileView::parse(bytes));
-  CHECK(io::write_page_file(loaded, copy, options) == bytes);
-  if constexpr (std::is_same_v<typename Cache::quantizer_type, quant::KIVI<2, 64>>) {
-    check_same_attention(original, seq, loaded, copy);  // keys before RoPE: rotated at read
+  for (const PageCheck check : {PageCheck::kReencode, PageCheck::kFinite, PageCheck::kStructure}) {
+    INFO("PageCheck " << static_cast<int>(check));
+    Cache loaded(test::kPageFileShape, config);
+    (void)test::fill_sequence(loaded, 11);
+    const SeqId copy = io::load_page_file(loaded, io::PageFileView::parse(bytes), check);
+    CHECK(io::write_page_file(loaded, copy, options) == bytes);
+    if constexpr (std::is_same_v<typename Cache::quantizer_type, quant::KIVI<2, 64>>) {
+      check_same_attention(original, seq, loaded, copy);  // keys before RoPE: rotated at read
+    }
   }
+  Cache alone(test::kPageFileShape, config);
+  (void)io::load_page_file(alone, io::PageFileView::parse(bytes), PageCheck::kStructure);
+  CHECK(alone.memory().pages_in_use == original.memory().pages_in_use);
+  CHECK(alone.memory().stored_elements == original.memory().stored_elements);
+  CHECK(alone.memory().tails == original.memory().tails);
 }
 
 /// The error load_page_file throws for `bytes` into `cache`, after checking the cache is as it was.
 template <class Cache>
-Error failed_load(Cache& cache, const std::vector<std::byte>& bytes) {
+Error failed_load(Cache& cache, const std::vector<std::byte>& bytes, PageCheck check = PageCheck::kReencode) {
   const std::size_t pages = cache.memory().pages_in_use, total = cache.memory().total();
-  const auto error = test::thrown_error([&] { (void)io::load_page_file(cache, io::PageFileView::parse(bytes)); });
+  const auto error =
+      test::thrown_error([&] { (void)io::load_page_file(cache, io::PageFileView::parse(bytes), check); });
   REQUIRE(error);
   CHECK(cache.memory().pages_in_use == pages);
   CHECK(cache.memory().total() == total);
@@ -202,11 +212,11 @@ TEST_CASE("load_page_file refuses what it cannot load exactly and leaves the cac
     KVCache<layout::GQA, quant::Q8_0> larger_pages(test::kPageFileShape, config);
     CHECK(failed_load(larger_pages, bytes).code() == ErrorCode::kInvalidArgument);
   }
-  SECTION("a cache with a tail, or one that evicts, or other RoPE storage") {
+  SECTION("a cache with an exact prefix, or one that evicts, or other RoPE storage") {
     CacheConfig config;
-    config.tail_tokens = 32;
-    KVCache<layout::GQA, quant::Q8_0> tail(test::kPageFileShape, config);
-    CHECK(failed_load(tail, bytes).code() == ErrorCode::kUnsupported);
+    config.exact_prefix_tokens = 4;
+    KVCache<layout::GQA, quant::Q8_0> exact(test::kPageFileShape, config);
+    CHECK_THAT(failed_load(exact, bytes).what(), Catch::Contains("exact_prefix_tokens"));
     KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> evicting(test::kPageFileShape);
     CHECK_THAT(failed_load(evicting, bytes).what(), Catch::Contains("evicting cache"));
     CacheConfig rope;
@@ -220,7 +230,7 @@ TEST_CASE("load_page_file refuses what it cannot load exactly and leaves the cac
     KVCache<layout::GQA, quant::FP8<quant::E4M3FN>> cache(test::kPageFileShape);
     CHECK(failed_load(cache, fp8).code() == ErrorCode::kUnsupported);
   }
-  SECTION("a page its codec would not encode that way: found by the byte check, then released") {
+  SECTION("a page its codec would not encode that way: refused by kReencode, kept as stored by kFinite") {
     // One code byte of the last layer's first page changed (and the file re-sealed): the page
     // still decodes, but code -128 lies beyond the 127 its scale was chosen for, so re-encoding
     // picks another scale.
@@ -232,8 +242,10 @@ TEST_CASE("load_page_file refuses what it cannot load exactly and leaves the cac
     test::reseal(edited);
     KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape);
     const Error error = failed_load(cache, edited);
-    CHECK(error.code() == ErrorCode::kUnsupported);
-    CHECK_THAT(error.what(), Catch::Contains("re-encoding layer 2 stream 0 page 0"));
+    CHECK(error.code() == ErrorCode::kInvalidArgument);
+    CHECK_THAT(error.what(), Catch::Contains("layer 2 stream 0 page 0 (keys) is not what q8_0 encodes"));
+    const SeqId kept = io::load_page_file(cache, io::PageFileView::parse(edited), PageCheck::kFinite);
+    CHECK(io::write_page_file(cache, kept) == edited);
   }
   SECTION("a page that decodes to Inf (fuzz_page_file's first find, now named by the loader)") {
     KVCache<layout::GQA, quant::Float<half>> f16_source(test::kPageFileShape);
@@ -243,9 +255,14 @@ TEST_CASE("load_page_file refuses what it cannot load exactly and leaves the cac
     f16[pages_body + 1] = std::byte{0x7C};  // fp16 +Inf in the first key element
     test::reseal(f16);
     KVCache<layout::GQA, quant::Float<half>> cache(test::kPageFileShape);
-    const Error error = failed_load(cache, f16);
-    CHECK(error.code() == ErrorCode::kInvalidArgument);
-    CHECK_THAT(error.what(), Catch::Contains("cache layer 0 stream 0 page 0 decodes to NaN or Inf"));
+    for (const PageCheck check : {PageCheck::kReencode, PageCheck::kFinite}) {
+      const Error error = failed_load(cache, f16, check);
+      CHECK(error.code() == ErrorCode::kInvalidArgument);
+      CHECK_THAT(error.what(), Catch::Contains("layer 0 stream 0 page 0 (keys) decodes to NaN or Inf"));
+    }
+    // kStructure trusts the bytes: the Inf is stored as it was written.
+    const SeqId trusted = io::load_page_file(cache, io::PageFileView::parse(f16), PageCheck::kStructure);
+    CHECK(std::isinf(cache.read_back(trusted, 0, 0).keys[0]));
   }
   SECTION("a pool too small: the pages taken so far go back") {
     CacheConfig config;
@@ -393,4 +410,121 @@ TEST_CASE("MLA page files record the latent and RoPE widths and load back bit fo
   // Another latent width is another cache: refused, nothing written.
   Cache wider(shape, config, {}, layout::MLA{96, 32});
   CHECK_THAT(failed_load(wider, bytes).what(), Catch::Contains("rows are 32 and 64 wide, the cache's 32 and 96"));
+}
+
+namespace {
+
+/// Page p of stream s of `layer` in `cache`'s sequence `seq`, as append_encoded_pages takes it.
+template <class Cache>
+EncodedPage held_page(const Cache& cache, SeqId seq, index_t layer, index_t s, std::size_t p) {
+  const PageId id = cache.pages(seq, layer, s)[p];
+  const std::size_t slot_bytes = static_cast<std::size_t>(cache.config().page_size) * 4 +
+                                 static_cast<std::size_t>(cache.config().page_size + 63) / 64 * 8;
+  return {{cache.pool().payload(id), cache.page_format_info().payload_bytes}, {cache.pool().metadata(id), slot_bytes}};
+}
+
+}  // namespace
+
+TEST_CASE("append_encoded_pages takes another cache's pages and refuses bytes it cannot trust", "[io][page_file]") {
+  using Cache = KVCache<layout::GQA, quant::Q8_0>;
+  Cache source(test::kPageFileShape);
+  const SeqId seq = test::fill_sequence(source);
+  auto from_source = [&](index_t layer) {
+    return [&, layer](index_t s, std::size_t p) { return held_page(source, seq, layer, s, p); };
+  };
+  Cache cache(test::kPageFileShape);
+  const SeqId target = cache.add_sequence();
+  const std::size_t total = cache.memory().total();
+  // Runs one call that must throw, and checks it left the cache as it was.
+  auto refused = [&](auto call) {
+    const auto error = test::thrown_error(call);
+    REQUIRE(error);
+    CHECK(cache.memory().total() == total);
+    CHECK(cache.length(target, 0) == 0);
+    return *error;
+  };
+
+  SECTION("pages another cache encoded attend as they did there") {
+    for (index_t layer = 0; layer < test::kPageFileShape.layers; ++layer) {
+      cache.append_encoded_pages(target, layer, 3, from_source(layer));
+    }
+    check_same_attention(source, seq, cache, target);
+    CHECK(cache.length(target, 1) == source.length(seq, 1));
+  }
+  SECTION("the structure of every page") {
+    std::vector<std::byte> slots(held_page(source, seq, 0, 0, 0).slots.begin(), held_page(source, seq, 0, 0, 0).slots.end());
+    const auto with_slots = [&](index_t s, std::size_t p) {
+      EncodedPage page = held_page(source, seq, 0, s, p);
+      if (s == 1 && p == 0) page.slots = slots;
+      return page;
+    };
+    const auto call = [&] { cache.append_encoded_pages(target, 0, 3, with_slots); };
+    std::int32_t position = 99;
+    std::memcpy(slots.data() + 5 * 4, &position, 4);
+    CHECK_THAT(refused(call).what(), Catch::Contains("layer 0 stream 1 page 0 slot 5 is at position 99, stream 0's at 5"));
+    position = 5;
+    std::memcpy(slots.data() + 5 * 4, &position, 4);
+    slots[cache.config().page_size * 4] = std::byte{0xFE};  // slot 0 dead
+    CHECK_THAT(refused(call).what(), Catch::Contains("stream 1 page 0 has dead slots"));
+    const auto short_payload = [&](index_t s, std::size_t p) {
+      EncodedPage page = held_page(source, seq, 0, s, p);
+      page.payload = page.payload.first(page.payload.size() - 1);
+      return page;
+    };
+    CHECK(refused([&] { cache.append_encoded_pages(target, 0, 3, short_payload); }).code() ==
+          ErrorCode::kInvalidArgument);
+    // Pages 1 and 2 before page 0: positions that go backwards.
+    const auto reversed = [&](index_t s, std::size_t p) { return held_page(source, seq, 0, s, 2 - p); };
+    CHECK_THAT(refused([&] { cache.append_encoded_pages(target, 0, 3, reversed); }).what(),
+               Catch::Contains("page 1 slot 0 is at position 32, not after 95"));
+  }
+  SECTION("after tokens of its own, only past their positions and on a page boundary") {
+    cache.append_encoded_pages(target, 0, 1, from_source(0));
+    const auto again = test::thrown_error([&] { cache.append_encoded_pages(target, 0, 1, from_source(0)); });
+    REQUIRE(again);
+    CHECK_THAT(again->what(), Catch::Contains("slot 0 is at position 0, not after 31"));
+    const std::vector<float> row(static_cast<std::size_t>(test::kPageFileShape.kv_heads) * 64, 0.5f);
+    cache.append(target, 0, std::span<const float>(row), std::span<const float>(row), 40);
+    const auto later = [&](index_t s, std::size_t p) { return held_page(source, seq, 0, s, p + 2); };
+    const auto error = test::thrown_error([&] { cache.append_encoded_pages(target, 0, 1, later); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnsupported);
+    CHECK_THAT(error->what(), Catch::Contains("holds 1 full-precision rows"));
+  }
+  SECTION("caches whose state a page does not carry") {
+    KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> evicting(test::kPageFileShape);
+    const SeqId e = evicting.add_sequence();
+    const auto error = test::thrown_error([&] { evicting.append_encoded_pages(e, 0, 3, from_source(0)); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnsupported);
+  }
+}
+
+TEST_CASE("page files load into a cache with a full-precision tail or Quest's summaries", "[io][page_file]") {
+  KVCache<layout::GQA, quant::Q8_0> source(test::kPageFileShape);
+  const SeqId seq = test::fill_sequence(source);
+  const std::vector<std::byte> bytes = io::write_page_file(source, seq);
+  const std::vector<float> row(static_cast<std::size_t>(test::kPageFileShape.kv_heads) * 64, 0.25f);
+  SECTION("the tail starts empty and takes the tokens decoded next, as the source's does") {
+    CacheConfig config;
+    config.tail_tokens = 64;
+    KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape, config);
+    const SeqId copy = io::load_page_file(cache, io::PageFileView::parse(bytes));
+    for (index_t layer = 0; layer < test::kPageFileShape.layers; ++layer) {
+      for (auto* c : {&source, &cache}) {
+        const SeqId s = c == &source ? seq : copy;
+        c->append(s, layer, std::span<const float>(row), std::span<const float>(row), 96);
+      }
+    }
+    check_same_attention(source, seq, cache, copy);
+  }
+  SECTION("Quest selects the same pages as it would from the source's own prefill") {
+    using Quest = KVCache<layout::GQA, quant::Q8_0, evict::KeepAll, select::Quest>;
+    const select::Quest quest{.token_budget = 32, .dense_layers = 0, .min_pages = 1};  // 1 page of 3
+    Quest original(test::kPageFileShape, {}, {}, {}, {}, quest);
+    const SeqId filled = test::fill_sequence(original);
+    Quest cache(test::kPageFileShape, {}, {}, {}, {}, quest);
+    const SeqId copy = io::load_page_file(cache, io::PageFileView::parse(bytes));
+    check_same_attention(original, filled, cache, copy);
+  }
 }

@@ -137,3 +137,72 @@ TEST_CASE("chunk keys chain every token before them and need whole pages", "[tie
   CHECK(error->code() == ErrorCode::kInvalidArgument);
   CHECK_THAT(error->what(), Catch::Contains("multiple of the page size (16)"));
 }
+
+TEST_CASE("tier::add_sequence continues the cache's own prefix with the tier's chunks", "[tier][prefix]") {
+  Cache source(kShape, pages_of_16());
+  const std::vector<std::int32_t> ids = prompt(5 * kChunk + 10);
+  const SeqId seq = filled(source, 5 * kChunk, 5);
+  tier::HostTier host(64 << 20);
+  REQUIRE(tier::store_chunks(host, source, seq, std::span(ids).first(5 * kChunk), kModel, kChunk) == 5);
+  CacheConfig sharing = pages_of_16();
+  sharing.prefix_sharing = PrefixSharing{kModel};
+  Cache target(kShape, sharing);
+  // Prefills the prompt's tokens [from, to) into `s` as `filled` would have written them.
+  const auto prefill_rest = [&](SeqId s, index_t from, index_t to) {
+    for (index_t layer = 0; layer < kShape.layers; ++layer) {
+      const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+      const std::vector<float> keys = test::random_rows(static_cast<std::size_t>(to) * kShape.kv_heads, kShape.head_dim, 5 + 2 * layer);
+      const std::vector<float> values =
+          test::random_rows(static_cast<std::size_t>(to) * kShape.kv_heads, kShape.head_dim, 5 + 2 * layer + 1);
+      target.prefill(s, layer, std::span<const float>(keys).subspan(from * row),
+                     std::span<const float>(values).subspan(from * row));
+    }
+  };
+
+  SECTION("a cold cache takes every chunk from the tier; once released, the next request finds them in memory") {
+    const tier::PrefixFetch first = tier::add_sequence(host, target, ids, kModel, kChunk);
+    CHECK(first.cached_tokens == 0);
+    CHECK(first.chunks == 5);
+    check_prefix(target, first, 5 * kChunk);
+    prefill_rest(first.seq, first.tokens, static_cast<index_t>(ids.size()));
+    target.release(first.seq);  // caches the prompt's whole pages, those from the tier included
+    const tier::PrefixFetch again = tier::add_sequence(host, target, ids, kModel, kChunk);
+    CHECK(again.cached_tokens == 5 * kChunk);
+    CHECK(again.tokens == 5 * kChunk);
+    CHECK(again.chunks == 0);
+    CHECK(again.bytes == 0);
+  }
+  SECTION("a prompt of exactly the tier's chunks leaves its last chunk to prefill") {
+    const tier::PrefixFetch loaded =
+        tier::add_sequence(host, target, std::span(ids).first(5 * kChunk), kModel, kChunk);
+    CHECK(loaded.tokens == 4 * kChunk);
+    CHECK(loaded.stopped_because.empty());
+  }
+  SECTION("the tier continues a cached prefix that ends on a chunk") {
+    const tier::PrefixFetch two = tier::add_sequence(host, target, std::span(ids).first(2 * kChunk + 1), kModel, kChunk);
+    REQUIRE(two.tokens == 2 * kChunk);
+    target.release(two.seq);
+    const tier::PrefixFetch all = tier::add_sequence(host, target, ids, kModel, kChunk);
+    CHECK(all.cached_tokens == 2 * kChunk);
+    CHECK(all.chunks == 3);
+    CHECK(all.tokens == 5 * kChunk);
+    Cache reference(kShape, pages_of_16());
+    CHECK(io::write_page_file(target, all.seq, {kModel, {}}) ==
+          io::write_page_file(reference, filled(reference, 5 * kChunk, 5), {kModel, {}}));
+  }
+  SECTION("but not one that ends inside a chunk") {
+    const SeqId three_pages = target.add_sequence(std::span(ids).first(3 * 16 + 1)).seq;
+    prefill_rest(three_pages, 0, 3 * 16 + 1);
+    target.release(three_pages);
+    const tier::PrefixFetch loaded = tier::add_sequence(host, target, ids, kModel, kChunk);
+    CHECK(loaded.cached_tokens == 3 * 16);
+    CHECK(loaded.chunks == 0);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("ends inside chunk 1"));
+  }
+  SECTION("without prefix sharing only the tier is asked") {
+    Cache plain(kShape, pages_of_16());
+    const tier::PrefixFetch loaded = tier::add_sequence(host, plain, ids, kModel, kChunk);
+    CHECK(loaded.cached_tokens == 0);
+    check_prefix(plain, loaded, 5 * kChunk);
+  }
+}
