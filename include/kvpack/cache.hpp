@@ -120,6 +120,8 @@ class KVCache {
  public:
   using layout_type = Layout;
   using quantizer_type = Quantizer;
+  /// One stream's codec parameters: the key codec's, then the value codec's (codec_params()).
+  using CodecParams = std::pair<KeyParams, ValueParams>;
   using evictor_type = Evictor;
   using selector_type = Selector;
 
@@ -413,25 +415,25 @@ class KVCache {
   /// Appends `pages` whole pages per KV stream, encoded elsewhere (a page file, a tier), to one
   /// layer by copying their bytes: nothing is decoded into rows and re-encoded through prefill.
   /// `page_of(s, p)` returns page p of stream s as an EncodedPage in this cache's format (its
-  /// codecs and their parameters, page size, RoPE storage: the caller matches them). Checked
-  /// before anything changes: the byte sizes; every slot live; positions growing strictly from
-  /// past the layer's last, equal in every stream and within max_position; then `check` on
-  /// each page. The layer must hold no full-precision rows but a complete exact prefix, so its
-  /// tokens so far end on a page boundary.
-  /// \throws kvpack::Error, leaving the cache as it was: kUnsupported for an evicting cache or a
-  ///         codec that calibrates its parameters from data (FP8), or a layer with rows in its
-  ///         tail; kInvalidArgument for bytes that fail a check, naming the stream, page and
-  ///         slot; kOutOfRange for positions beyond max_position; kvpack::OutOfPages.
+  /// codecs, page size, RoPE storage: the caller matches them). `params`, one per stream, are
+  /// the codec parameters the pages were encoded with: a layer whose codec calibrates them from
+  /// data (FP8) and is not calibrated yet takes them, as its first prefill would have set them;
+  /// otherwise they must equal the layer's (and may be omitted). Checked before anything
+  /// changes: the parameters; the byte sizes; every slot live; positions growing strictly from
+  /// past the layer's last, equal in every stream and within max_position; then `check` on each
+  /// page. The layer must hold no full-precision rows but a complete exact prefix, so its tokens
+  /// so far end on a page boundary.
+  /// \throws kvpack::Error, leaving the cache as it was: kUnsupported for an evicting cache, a
+  ///         layer with rows in its tail, or a layer to calibrate without `params`;
+  ///         kInvalidArgument for parameters other than the layer's and bytes that fail a check,
+  ///         naming the stream, page and slot; kOutOfRange for positions beyond max_position;
+  ///         kvpack::OutOfPages.
   template <class PageOf>
   void append_encoded_pages(SeqId seq, index_t layer, std::size_t pages, PageOf page_of,
-                            PageCheck check = PageCheck::kReencode) {
+                            PageCheck check = PageCheck::kReencode, std::span<const CodecParams> params = {}) {
     static constexpr const char* kCall = "append_encoded_pages";
     KVPACK_CHECK(!kEvicts, kUnsupported,
                  "append_encoded_pages: an evicting cache keeps per-slot state a page's bytes do not carry");
-    KVPACK_CHECK(!quant::CalibratedCodec<KeyCodec> && !quant::CalibratedCodec<ValueCodec>, kUnsupported,
-                 detail::message("append_encoded_pages: ", Quantizer::name(),
-                                 " calibrates its parameters from the first page a layer encodes, which pages "
-                                 "encoded elsewhere cannot set"));
     Sequence& sequence = find(seq, kCall);
     const index_t model_layer = layer;
     layer = written_layer(layer, kCall);
@@ -439,7 +441,8 @@ class KVCache {
     KVPACK_CHECK(state.tail_count == 0 && state.prefix_count == config_.exact_prefix_tokens, kUnsupported,
                  detail::message("append_encoded_pages: layer ", model_layer, " of sequence ", seq, " holds ",
                                  state.rows_count(), " full-precision rows; pages go after whole pages only"));
-    const std::int64_t last = verify_encoded_pages(state, layer, pages, page_of, check);
+    const ParamsAdoption adoption = adopt_params(layer, model_layer, params);
+    const std::int64_t last = verify_encoded_pages(state, layer, pages, page_of, check, adoption.used);
     if (pages == 0) return;
 
     // Everything that can fail, then the changes (as write_tokens).
@@ -466,6 +469,31 @@ class KVCache {
     } catch (...) {
       for (PageId id : fresh) pool_.release(id);
       throw;
+    }
+    if (adoption.sets_keys || adoption.sets_values) {
+      // The layer takes the pages' parameters unless another sequence's first prefill has just
+      // calibrated it: then they must be equal, as for a layer calibrated before.
+      std::lock_guard lock(calibration_mutex_);
+      bool taken = true;
+      if (calibrated_[layer].load(std::memory_order_relaxed)) {
+        for (index_t s = 0; s < streams_; ++s) {
+          const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+          taken = taken && key_params_[p] == adoption.used[s].first && value_params_[p] == adoption.used[s].second;
+        }
+        if (!taken) {
+          for (PageId id : fresh) pool_.release(id);
+          detail::throw_error(ErrorCode::kInvalidArgument,
+                              detail::message("append_encoded_pages: layer ", model_layer,
+                                              " was calibrated meanwhile with other parameters than the pages'"));
+        }
+      } else {
+        for (index_t s = 0; s < streams_; ++s) {
+          const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+          key_params_[p] = adoption.used[s].first;
+          value_params_[p] = adoption.used[s].second;
+        }
+        calibrated_[layer].store(true, std::memory_order_release);
+      }
     }
     // No more throws from here on.
     if (first_write) {
@@ -772,7 +800,7 @@ class KVCache {
     return round_up(quantizer_.key.plane_bytes(key_geometry()), 64);
   }
   /// The codec parameters of (layer, stream), e.g. calibrated FP8 scales.
-  [[nodiscard]] std::pair<KeyParams, ValueParams> codec_params(index_t layer, index_t stream) const {
+  [[nodiscard]] CodecParams codec_params(index_t layer, index_t stream) const {
     layer = stored_layer(layer, "codec_params");
     KVPACK_CHECK(stream >= 0 && stream < streams_, kInvalidArgument,
                  detail::message("codec_params: stream ", stream, " out of range"));
@@ -1384,11 +1412,53 @@ class KVCache {
     return static_cast<std::size_t>(config_.page_size) * sizeof(std::int32_t) + live_mask_words() * sizeof(std::uint64_t);
   }
 
+  /// The parameters append_encoded_pages decodes a layer's pages with (`used`, one per stream),
+  /// and which of them the layer takes: a plane whose codec calibrates from data, on a layer not
+  /// yet calibrated, takes the given ones; any other given parameters must be the layer's.
+  struct ParamsAdoption {
+    std::vector<CodecParams> used;
+    bool sets_keys = false;
+    bool sets_values = false;
+  };
+  [[nodiscard]] ParamsAdoption adopt_params(index_t layer, index_t model_layer, std::span<const CodecParams> params) const {
+    KVPACK_CHECK(params.empty() || params.size() == static_cast<std::size_t>(streams_), kInvalidArgument,
+                 detail::message("append_encoded_pages: params must hold one entry per stream (", streams_, "), got ",
+                                 params.size()));
+    const auto calibrating = [](const auto& codec) {
+      if constexpr (quant::CalibratedCodec<std::remove_cvref_t<decltype(codec)>>) return codec.calibrates();
+      return false;
+    };
+    ParamsAdoption adoption;
+    const bool open = !calibrated_[layer].load(std::memory_order_acquire);
+    adoption.sets_keys = open && calibrating(quantizer_.key);
+    adoption.sets_values = open && calibrating(quantizer_.value);
+    KVPACK_CHECK(!(adoption.sets_keys || adoption.sets_values) || !params.empty(), kUnsupported,
+                 detail::message("append_encoded_pages: ", Quantizer::name(), " calibrates its parameters from the ",
+                                 "first page layer ", model_layer, " encodes: pass those the pages were encoded with"));
+    for (index_t s = 0; s < streams_; ++s) {
+      const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+      CodecParams used{key_params_[p], value_params_[p]};
+      if (!params.empty()) {
+        const CodecParams& given = params[static_cast<std::size_t>(s)];
+        KVPACK_CHECK(adoption.sets_keys || given.first == used.first, kInvalidArgument,
+                     detail::message("append_encoded_pages: layer ", model_layer, " stream ", s,
+                                     " has other key codec parameters than the pages'"));
+        KVPACK_CHECK(adoption.sets_values || given.second == used.second, kInvalidArgument,
+                     detail::message("append_encoded_pages: layer ", model_layer, " stream ", s,
+                                     " has other value codec parameters than the pages'"));
+        if (adoption.sets_keys) used.first = given.first;
+        if (adoption.sets_values) used.second = given.second;
+      }
+      adoption.used.push_back(used);
+    }
+    return adoption;
+  }
+
   /// append_encoded_pages' checks of the bytes, before anything changes; returns the last
   /// position the pages hold (the layer's last when `pages` is 0).
   template <class PageOf>
   std::int64_t verify_encoded_pages(const LayerState& state, index_t layer, std::size_t pages, PageOf& page_of,
-                                    PageCheck check) const {
+                                    PageCheck check, const std::vector<CodecParams>& params) const {
     const index_t page = config_.page_size;
     const std::size_t payload_bytes = pool_.format().payload_bytes;
     const std::size_t slot_bytes = slot_record_bytes();
@@ -1418,7 +1488,6 @@ class KVCache {
     };
     std::int64_t previous = state.last_position;
     for (index_t s = 0; s < streams_; ++s) {
-      const std::size_t params = static_cast<std::size_t>(layer) * streams_ + s;
       for (std::size_t p = 0; p < pages; ++p) {
         const EncodedPage encoded = page_of(s, p);
         KVPACK_CHECK(encoded.payload.size() == payload_bytes && encoded.slots.size() == slot_bytes, kInvalidArgument,
@@ -1453,8 +1522,9 @@ class KVCache {
                                        position, ", stream 0's at ", first_stream));
         }
         if (check == PageCheck::kStructure) continue;
-        check_plane(quantizer_.key, key_geometry(), key_params_[params], encoded.payload.data(), s, p, "keys");
-        check_plane(quantizer_.value, value_geometry(), value_params_[params],
+        const CodecParams& stream_params = params[static_cast<std::size_t>(s)];
+        check_plane(quantizer_.key, key_geometry(), stream_params.first, encoded.payload.data(), s, p, "keys");
+        check_plane(quantizer_.value, value_geometry(), stream_params.second,
                     encoded.payload.data() + value_plane_offset(), s, p, "values");
       }
     }

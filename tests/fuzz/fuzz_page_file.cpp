@@ -7,15 +7,19 @@
 // with its checksums and length recomputed (test::reseal), which lets mutations of header fields, parameters
 // and slots reach the checks behind the checksums.
 // A file that parses and holds f16, q4_0 or KIVI-2 pages of a small shape is also loaded into a
-// fresh cache of its type (io::load_page_file): the load either throws a kvpack::Error and leaves
-// no page allocated, or succeeds with every page equal to the file's.
+// fresh cache of its type (io::load_page_file) at every PageCheck: the load either throws a
+// kvpack::Error and leaves no page allocated, or succeeds with every page equal to the file's.
+// A sequence loaded at kFinite (its pages decode to finite values, canonical or not) is attended
+// in every layer: the output must be finite.
 // Built and run by cmake/run_sanitizers.sh over the seed corpus in tests/fuzz/corpus/page_file
 // (valid files from the writer of several codecs and layouts, and a few broken ones).
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <vector>
 
 #include "fuzz/fuzz_check.hpp"
 #include "kvpack/io/page_file_loader.hpp"
@@ -31,7 +35,7 @@ bool inside(std::span<const std::byte> view, std::span<const std::byte> buffer) 
 
 /// Loads `file` into a fresh `Cache` built from its header; see the file comment.
 template <class Cache>
-void check_load(const kvpack::io::PageFileView& file) {
+void check_load(const kvpack::io::PageFileView& file, kvpack::PageCheck check) {
   using namespace kvpack;
   const io::PageFileHeader& h = file.header();
   try {
@@ -42,7 +46,7 @@ void check_load(const kvpack::io::PageFileView& file) {
     }
     Cache cache(h.shape, config);
     try {
-      const SeqId seq = io::load_page_file(cache, file);
+      const SeqId seq = io::load_page_file(cache, file, check);
       const typename Cache::layout_type layout{};
       for (index_t c = 0; c < h.cache_layers; ++c) {
         for (index_t s = 0; s < h.streams; ++s) {
@@ -56,6 +60,14 @@ void check_load(const kvpack::io::PageFileView& file) {
             FUZZ_CHECK(std::memcmp(held + h.value_plane_offset, stored + h.value_plane_offset, h.value_plane_bytes) == 0);
           }
         }
+        if (check == PageCheck::kFinite && file.page_count(c, 0) > 0) {
+          const std::size_t width = static_cast<std::size_t>(h.shape.q_heads) * h.shape.head_dim;
+          std::vector<float> query(width), out(width);
+          for (std::size_t i = 0; i < width; ++i) query[i] = static_cast<float>(i % 7) - 3.0f;
+          cache.attend(seq, layout::writer_of(layout, h.shape, c), std::span<const float>(query), std::span<float>(out),
+                       0.125f);
+          for (float x : out) FUZZ_CHECK(std::isfinite(x));
+        }
       }
     } catch (const Error&) {
       FUZZ_CHECK(cache.memory().pages_in_use == 0);
@@ -68,18 +80,26 @@ void check_load(const kvpack::io::PageFileView& file) {
 }
 
 /// The seed corpus's codecs, at shapes small enough to load on every run.
-void try_load(const kvpack::io::PageFileView& file) {
+void try_load(const kvpack::io::PageFileView& file, kvpack::PageCheck check) {
   using namespace kvpack;
   const io::PageFileHeader& h = file.header();
   const bool small = h.shape.layers <= 4 && h.shape.q_heads <= 16 && h.shape.kv_heads <= 4 && h.shape.head_dim <= 128 &&
                      file.total_pages() <= 256 && (!h.keys_before_rope || h.rope_max_position <= (1 << 16));
   if (!small) return;
   if (h.quantizer == quant::Float<half>::name() && h.layout == layout::GQA::kName) {
-    check_load<KVCache<layout::GQA, quant::Float<half>>>(file);
+    check_load<KVCache<layout::GQA, quant::Float<half>>>(file, check);
   } else if (h.quantizer == quant::Q4_0::name() && h.layout == layout::CrossLayer<layout::GQA, 2>::kName) {
-    check_load<KVCache<layout::CrossLayer<layout::GQA, 2>, quant::Q4_0>>(file);
+    check_load<KVCache<layout::CrossLayer<layout::GQA, 2>, quant::Q4_0>>(file, check);
   } else if (h.quantizer == quant::KIVI<2>::name() && h.layout == layout::GQA::kName) {
-    check_load<KVCache<layout::GQA, quant::KIVI<2>>>(file);
+    check_load<KVCache<layout::GQA, quant::KIVI<2>>>(file, check);
+  }
+}
+
+/// try_load at every PageCheck.
+void try_load(const kvpack::io::PageFileView& file) {
+  for (const kvpack::PageCheck check : {kvpack::PageCheck::kReencode, kvpack::PageCheck::kFinite,
+                                        kvpack::PageCheck::kStructure}) {
+    try_load(file, check);
   }
 }
 

@@ -12,9 +12,12 @@
 /// speed, for files a kvpack cache wrote, whose checksums the reader verified). A loaded
 /// sequence is therefore always bit for bit what was written.
 ///
-/// Not loaded (kUnsupported): FP8, whose calibrated scales the cache fixes from the first page
-/// it encodes (the file's scales cannot be handed to it yet); caches with an exact prefix (its
-/// rows are fp32, not pages) or an evictor. A cache with a full-precision tail takes the pages
+/// Codec parameters: a layer whose codec calibrates them (FP8's scales) and that has none yet
+/// takes the file's, as its first prefill would have set them; any other layer must already
+/// have the file's (kInvalidArgument otherwise). A load that fails after a layer took them
+/// leaves that layer calibrated (the parameters are the cache's, shared by its sequences).
+/// Not loaded (kUnsupported): caches with an exact prefix (its rows are fp32, not pages) or an
+/// evictor. A cache with a full-precision tail takes the pages
 /// as they are, its tail left empty for the tokens decoded next. Token ids in the file are not
 /// attached to the sequence.
 ///
@@ -22,12 +25,15 @@
 /// in a fork of it, so that a chunk that fails leaves the sequence as it was.
 
 #include <cstdint>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "kvpack/cache_config.hpp"
 #include "kvpack/encoded_page.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/io/codec_registry.hpp"
+#include "kvpack/io/page_file_decode.hpp"
 #include "kvpack/io/page_file_reader.hpp"
 #include "kvpack/layout/layout_concepts.hpp"
 
@@ -40,13 +46,7 @@ template <class Cache>
 void check_compatible(const Cache& cache, const PageFileHeader& h) {
   using Layout = typename Cache::layout_type;
   using Quantizer = typename Cache::quantizer_type;
-  using KeyFormat = ParamsFormat<typename Quantizer::key_codec::params_type>;
-  using ValueFormat = ParamsFormat<typename Quantizer::value_codec::params_type>;
   check_quantizer<Quantizer>(h);
-  KVPACK_CHECK(KeyFormat::kKind == ParamsKind::kNone && ValueFormat::kKind == ParamsKind::kNone, kUnsupported,
-               detail::message("load_page_file: quantizer ", Quantizer::name(),
-                               " calibrates its scales from the first page a cache encodes; loading its page "
-                               "files is not supported yet"));
   const ModelShape& shape = cache.shape();
   KVPACK_CHECK(h.shape == shape, kInvalidArgument,
                detail::message("load_page_file: the file's shape (layers ", h.shape.layers, ", q_heads ",
@@ -94,13 +94,12 @@ void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, in
   using Quantizer = typename Cache::quantizer_type;
   const PageFileHeader& h = file.header();
   const std::uint32_t pages = file.page_count(c, 0);
+  std::vector<typename Cache::CodecParams> params;
   for (index_t s = 0; s < h.streams; ++s) {
     KVPACK_CHECK(file.page_count(c, s) == pages, kInvalidArgument,
                  detail::message("load_page_file: cache layer ", c, " holds ", pages, " pages in stream 0 and ",
                                  file.page_count(c, s), " in stream ", s));
-    KVPACK_CHECK(read_codec_params<Quantizer>(file, c, s) == cache.codec_params(writer, s), kUnsupported,
-                 detail::message("load_page_file: layer ", writer, " stream ", s,
-                                 " has other codec parameters than the file's"));
+    params.push_back(read_codec_params<Quantizer>(file, c, s));
   }
   cache.append_encoded_pages(
       seq, writer, pages,
@@ -108,7 +107,7 @@ void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, in
         const auto page = static_cast<std::uint32_t>(p);
         return EncodedPage{file.payload(c, s, page), file.slots(c, s, page)};
       },
-      check);
+      check, std::span<const typename Cache::CodecParams>(params));
 }
 
 /// Loads `file` into `seq` (new, or a fork made for the load) and returns it; releases it if
@@ -135,9 +134,9 @@ SeqId load_into(Cache& cache, SeqId seq, const PageFileView& file, PageCheck che
 /// \param check what is verified of each page's contents (see PageCheck); kReencode trusts
 ///        nothing, kStructure only the checksums the reader verified
 /// \throws kvpack::Error, leaving the cache as it was (no sequence added, memory unchanged):
-///         kUnsupported for another quantizer, FP8, a cache with an exact prefix or an evictor,
-///         or other codec parameters; kInvalidArgument for another shape, layout, page size or
-///         RoPE, dead slots, positions that do not grow or differ between streams, a page that
+///         kUnsupported for another quantizer, a cache with an exact prefix or an evictor;
+///         kInvalidArgument for other codec parameters than a calibrated layer's, another shape,
+///         layout, page size or RoPE, dead slots, positions that do not grow or differ between streams, a page that
 ///         decodes to NaN or Inf or (kReencode) is not its codec's canonical encoding;
 ///         kOutOfRange for positions beyond the cache's max_position; kvpack::OutOfPages when
 ///         the pool cannot hold the pages.
