@@ -2,6 +2,7 @@
 // One sequence of 2048 tokens at Llama-3.1-8B's KV shape cut to 8 layers (8 KV heads, head_dim
 // 128), q8_0 pages of 32 tokens: 4096 pages of 8704 bytes, 34 MiB of file.
 // BM_Write: write_page_file to a byte vector (copies every payload and checksums it).
+// BM_WriteFd: write_page_file streamed to a descriptor (/dev/null, a file).
 // BM_Parse: PageFileView::parse of those bytes (checks every section's CRC32C, every live slot;
 //   copies no payload). BM_OpenMapped: PageFile on the file written to /tmp (in the page cache):
 //   mmap, then the same checks, page faults included (bytes: the page payloads).
@@ -9,6 +10,9 @@
 //   and with the software tables.
 
 #include <benchmark/benchmark.h>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -57,6 +61,24 @@ void BM_Write(benchmark::State& state) {
   state.counters["file_MiB"] = static_cast<double>(bytes) / (1 << 20);
 }
 BENCHMARK(BM_Write)->Unit(benchmark::kMillisecond);
+
+// Streamed to a descriptor: /dev/null (the writer's own cost: checksums, gathering, write calls)
+// or a file under /tmp (plus the kernel's copy into the page cache), truncated each time.
+void BM_WriteFd(benchmark::State& state) {
+  Fixture& f = fixture();
+  const bool to_file = state.range(0) == 1;
+  const std::string path = to_file ? "/tmp/kvpack_bench_page_file_fd.kvpages" : "/dev/null";
+  std::uint64_t bytes = 0;
+  for (auto _ : state) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    bytes = io::write_page_file(fd, f.cache, f.seq);
+    ::close(fd);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes * state.iterations()));
+  state.SetLabel(to_file ? "file in /tmp" : "/dev/null");
+  if (to_file) std::remove(path.c_str());
+}
+BENCHMARK(BM_WriteFd)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 void BM_Parse(benchmark::State& state) {
   Fixture& f = fixture();

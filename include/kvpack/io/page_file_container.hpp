@@ -1,8 +1,9 @@
 #pragma once
 /// \file page_file_container.hpp
 /// \brief The container of a page file, independent of what the sections hold: the preamble
-///        (magic, version, file length, its CRC32C) and sections (tag, length, CRCs), written by
-///        ContainerWriter and split and verified by split_sections.
+///        (magic, version, file length, its CRC32C) and sections (tag, length, CRCs), framed by
+///        preamble_bytes and section_header_bytes (in memory: ContainerWriter) and split and
+///        verified by split_sections.
 ///
 /// Preamble, 64 bytes: magic "KVPKPAGE" (8) | u32 version | u32 section count | u64 file bytes |
 /// u32 CRC32C of bytes [0, 24) | 36 zero bytes.
@@ -10,6 +11,7 @@
 /// u32 CRC32C of the header's bytes [0, 20) | 40 zero bytes. The body follows, then zeros to the
 /// next multiple of 64.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -24,52 +26,67 @@
 
 namespace kvpack::inline v0::io {
 
+/// The preamble of a file of `file_bytes` bytes holding `sections` sections.
+inline std::array<std::byte, kPreambleBytes> preamble_bytes(std::uint64_t file_bytes, std::uint32_t sections) noexcept {
+  std::array<std::byte, kPreambleBytes> p{};
+  std::memcpy(p.data(), kPageFileMagic.data(), kPageFileMagic.size());
+  std::memcpy(p.data() + 8, &kPageFileVersion, sizeof(kPageFileVersion));
+  std::memcpy(p.data() + 12, &sections, sizeof(sections));
+  std::memcpy(p.data() + 16, &file_bytes, sizeof(file_bytes));
+  const std::uint32_t crc = crc32c(std::span<const std::byte>(p.data(), 24));
+  std::memcpy(p.data() + 24, &crc, sizeof(crc));
+  return p;
+}
+
+/// The header of a section whose body is `body_bytes` long with CRC32C `body_crc`.
+inline std::array<std::byte, kSectionHeaderBytes> section_header_bytes(SectionTag tag, std::uint64_t body_bytes,
+                                                                       std::uint32_t body_crc) noexcept {
+  std::array<std::byte, kSectionHeaderBytes> h{};
+  const auto raw = static_cast<std::uint32_t>(tag);
+  std::memcpy(h.data(), &raw, sizeof(raw));
+  std::memcpy(h.data() + 8, &body_bytes, sizeof(body_bytes));
+  std::memcpy(h.data() + 16, &body_crc, sizeof(body_crc));
+  const std::uint32_t header_crc = crc32c(std::span<const std::byte>(h.data(), 20));
+  std::memcpy(h.data() + 20, &header_crc, sizeof(header_crc));
+  return h;
+}
+
+/// Bytes a section of a `body_bytes` body takes in a file: its header, the body and its padding.
+[[nodiscard]] inline std::uint64_t framed_section_bytes(std::uint64_t body_bytes) noexcept {
+  return kSectionHeaderBytes + (body_bytes + kPageFileAlignment - 1) / kPageFileAlignment * kPageFileAlignment;
+}
+
 /// Builds a file in memory: the preamble, then sections appended one at a time.
 class ContainerWriter {
  public:
-  ContainerWriter() {
-    file_.resize(kPreambleBytes);
-    std::memcpy(file_.data(), kPageFileMagic.data(), kPageFileMagic.size());
-  }
+  ContainerWriter() { file_.resize(kPreambleBytes); }
 
-  /// Reserves room for a file of about `bytes`: growing a vector of pages by doubling spent most
-  /// of a write in copies and page faults.
-  void reserve(std::size_t bytes) { file_.reserve(bytes); }
   /// Starts a section: its body is what is appended to body() until end_section().
   void begin_section(SectionTag tag) {
     section_start_ = file_.size();
+    section_tag_ = tag;
     file_.resize(section_start_ + kSectionHeaderBytes);
-    const auto raw = static_cast<std::uint32_t>(tag);
-    std::memcpy(file_.data() + section_start_, &raw, sizeof(raw));
   }
   [[nodiscard]] std::vector<std::byte>& body() noexcept { return file_; }
   void end_section() {
-    std::byte* header = file_.data() + section_start_;
     const std::size_t body_start = section_start_ + kSectionHeaderBytes;
-    const std::uint64_t length = file_.size() - body_start;
-    const std::uint32_t body_crc = crc32c(std::span(file_).subspan(body_start));
-    std::memcpy(header + 8, &length, sizeof(length));
-    std::memcpy(header + 16, &body_crc, sizeof(body_crc));
-    const std::uint32_t header_crc = crc32c(std::span<const std::byte>(header, 20));
-    std::memcpy(header + 20, &header_crc, sizeof(header_crc));
+    const auto body = std::span<const std::byte>(file_).subspan(body_start);
+    const auto header = section_header_bytes(section_tag_, body.size(), crc32c(body));
+    std::memcpy(file_.data() + section_start_, header.data(), header.size());
     ByteSink(file_).pad_to(kPageFileAlignment);
     ++sections_;
   }
   /// Fills in the preamble and hands over the file.
   [[nodiscard]] std::vector<std::byte> finish() && {
-    std::byte* p = file_.data();
-    const std::uint64_t bytes = file_.size();
-    std::memcpy(p + 8, &kPageFileVersion, sizeof(kPageFileVersion));
-    std::memcpy(p + 12, &sections_, sizeof(sections_));
-    std::memcpy(p + 16, &bytes, sizeof(bytes));
-    const std::uint32_t crc = crc32c(std::span<const std::byte>(p, 24));
-    std::memcpy(p + 24, &crc, sizeof(crc));
+    const auto preamble = preamble_bytes(file_.size(), sections_);
+    std::memcpy(file_.data(), preamble.data(), preamble.size());
     return std::move(file_);
   }
 
  private:
   std::vector<std::byte> file_;
   std::size_t section_start_ = 0;
+  SectionTag section_tag_{};
   std::uint32_t sections_ = 0;
 };
 

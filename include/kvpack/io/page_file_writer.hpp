@@ -1,14 +1,19 @@
 #pragma once
 /// \file page_file_writer.hpp
-/// \brief write_page_file: one sequence of a KVCache to page file bytes (or a file), through the
-///        cache's public read API only (pages, pool, codec_params, shape, config).
+/// \brief write_page_file: one sequence of a KVCache to page file bytes, a file descriptor or a
+///        path, through the cache's public read API only (pages, pool, codec_params, shape,
+///        config). To a descriptor or path the file is streamed: only its small sections are held.
 ///
 /// Version 1 carries whole pages: a sequence with tokens outside pages (the full-precision tail
 /// or exact prefix, or pages an evictor freed) is rejected with kUnsupported rather than written
 /// short. Quest's page summaries are not written (a reader can recompute them from the pages).
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <span>
 #include <string>
@@ -17,6 +22,7 @@
 #include "kvpack/error.hpp"
 #include "kvpack/io/byte_cursor.hpp"
 #include "kvpack/io/codec_registry.hpp"
+#include "kvpack/io/crc32c.hpp"
 #include "kvpack/io/page_file_container.hpp"
 #include "kvpack/io/page_file_header_io.hpp"
 #include "kvpack/layout/layout_concepts.hpp"
@@ -105,14 +111,19 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
   return h;
 }
 
-}  // namespace writer_detail
+/// The file size a preamble declares (emit_page_file's first run is the preamble).
+inline std::uint64_t declared_size(std::span<const std::byte> preamble) noexcept {
+  std::uint64_t bytes = 0;
+  std::memcpy(&bytes, preamble.data() + 16, sizeof(bytes));
+  return bytes;
+}
 
-/// The page file of sequence `seq`, as bytes.
-/// \throws kvpack::Error kUnsupported for a quantizer whose parameters page files cannot hold
-///         (KVQuant, TurboQuant, QJL) or a sequence with tokens outside pages; kInvalidArgument
-///         for an unknown sequence or options that do not fit (model_id over 256 bytes).
-template <class Cache>
-[[nodiscard]] std::vector<std::byte> write_page_file(const Cache& cache, SeqId seq, const PageFileOptions& options = {}) {
+/// Produces the page file of `seq` as byte runs handed to `emit(span)` in file order, without
+/// building the file: the small sections (META, PARM, TOKN) are built in memory, the page
+/// sections (SLOT, PAGE) are read from the pool twice, first for their CRC32C (a section's
+/// header precedes its body), then for the bytes. Returns the file's size.
+template <class Cache, class Emit>
+std::uint64_t emit_page_file(const Cache& cache, SeqId seq, const PageFileOptions& options, Emit&& emit) {
   using Quantizer = typename Cache::quantizer_type;
   using KeyFormat = ParamsFormat<typename Quantizer::key_codec::params_type>;
   using ValueFormat = ParamsFormat<typename Quantizer::value_codec::params_type>;
@@ -127,24 +138,16 @@ template <class Cache>
                                  PageFileLimits::kMaxString));
     KVPACK_CHECK(options.tokens.size() <= PageFileLimits::kMaxTokens, kInvalidArgument,
                  "write_page_file: too many token ids");
-    const PageFileHeader h = writer_detail::header_of(cache, seq, options);
+    const PageFileHeader h = header_of(cache, seq, options);
     const auto writer_of = [&](index_t c) { return layout::writer_of(cache.layout(), h.shape, c); };
 
-    ContainerWriter file;
-    const std::uint64_t pages = h.total_pages();
-    file.reserve(kPreambleBytes + kSectionOrder.size() * (kSectionHeaderBytes + kPageFileAlignment) + 1024 +
-                 h.page_counts.size() * (4 + 2 * sizeof(float)) + options.tokens.size_bytes() +
-                 pages * (h.slot_bytes + h.payload_bytes));
-    file.begin_section(SectionTag::kMeta);
+    std::vector<std::byte> meta, params, tokens;
     {
-      ByteSink out(file.body());
+      ByteSink out(meta);
       write_meta(out, h);
     }
-    file.end_section();
-
-    file.begin_section(SectionTag::kParams);
     {
-      ByteSink out(file.body());
+      ByteSink out(params);
       out.put(static_cast<std::uint32_t>(KeyFormat::kKind));
       out.put(static_cast<std::uint32_t>(KeyFormat::kBytes));
       out.put(static_cast<std::uint32_t>(ValueFormat::kKind));
@@ -159,15 +162,11 @@ template <class Cache>
         }
       }
     }
-    file.end_section();
-
-    file.begin_section(SectionTag::kTokens);
     {
-      ByteSink out(file.body());
+      ByteSink out(tokens);
       out.put(static_cast<std::uint64_t>(options.tokens.size()));
       out.put_bytes(std::as_bytes(options.tokens));
     }
-    file.end_section();
 
     // SLOT and PAGE in the same (layer, stream, page) order as META's page counts.
     const auto for_each_page = [&](auto&& visit) {
@@ -178,37 +177,120 @@ template <class Cache>
         }
       }
     };
-    file.begin_section(SectionTag::kSlots);
-    for_each_page([&](PageId id) {
-      // The pool's metadata starts with exactly this record (slot positions, then the live mask).
-      ByteSink(file.body()).put_bytes(std::span(cache.pool().metadata(id), h.slot_bytes));
-    });
-    file.end_section();
-    file.begin_section(SectionTag::kPages);
-    // The planes only: the gaps around them are padding the codecs never write, which holds
-    // whatever a recycled slab held before (zeros in the file, so equal pages give equal files).
-    for_each_page([&](PageId id) {
+    // A page's SLOT record is the start of the pool's metadata (slot positions, then the live
+    // mask). Its PAGE bytes are the planes only: the gaps around them are padding the codecs
+    // never write, which holds whatever a recycled slab held before (zeros in the file, so equal
+    // pages give equal files).
+    const std::vector<std::byte> zeros(std::max<std::size_t>(h.payload_bytes, kPageFileAlignment));
+    const auto slot_runs = [&](PageId id, auto&& run) { run(std::span(cache.pool().metadata(id), h.slot_bytes)); };
+    const auto page_runs = [&](PageId id, auto&& run) {
       const std::byte* payload = cache.pool().payload(id);
-      std::vector<std::byte>& body = file.body();
-      const std::size_t start = body.size();
-      body.resize(start + h.payload_bytes);  // zero-filled
-      std::memcpy(body.data() + start, payload, h.key_plane_bytes);
-      std::memcpy(body.data() + start + h.value_plane_offset, payload + h.value_plane_offset, h.value_plane_bytes);
+      run(std::span(payload, h.key_plane_bytes));
+      run(std::span(zeros).first(h.value_plane_offset - h.key_plane_bytes));
+      run(std::span(payload + h.value_plane_offset, h.value_plane_bytes));
+      run(std::span(zeros).first(h.payload_bytes - h.value_plane_offset - h.value_plane_bytes));
+    };
+    std::uint32_t slots_crc = 0, pages_crc = 0;
+    for_each_page([&](PageId id) {
+      slot_runs(id, [&](std::span<const std::byte> bytes) { slots_crc = crc32c_extend(slots_crc, bytes); });
+      page_runs(id, [&](std::span<const std::byte> bytes) { pages_crc = crc32c_extend(pages_crc, bytes); });
     });
-    file.end_section();
-    return std::move(file).finish();
+
+    const std::uint64_t pages = h.total_pages();
+    const std::uint64_t lengths[] = {meta.size(), params.size(), tokens.size(), pages * h.slot_bytes,
+                                     pages * h.payload_bytes};
+    const std::uint32_t crcs[] = {crc32c(meta), crc32c(params), crc32c(tokens), slots_crc, pages_crc};
+    std::uint64_t file_bytes = kPreambleBytes;
+    for (const std::uint64_t length : lengths) file_bytes += framed_section_bytes(length);
+    const auto emit_run = [&](std::span<const std::byte> bytes) {
+      if (!bytes.empty()) emit(bytes);
+    };
+    const auto preamble = preamble_bytes(file_bytes, static_cast<std::uint32_t>(kSectionOrder.size()));
+    emit_run(preamble);
+    for (std::size_t i = 0; i < kSectionOrder.size(); ++i) {
+      const auto header = section_header_bytes(kSectionOrder[i], lengths[i], crcs[i]);
+      emit_run(header);
+      switch (kSectionOrder[i]) {
+        case SectionTag::kMeta: emit_run(meta); break;
+        case SectionTag::kParams: emit_run(params); break;
+        case SectionTag::kTokens: emit_run(tokens); break;
+        case SectionTag::kSlots: for_each_page([&](PageId id) { slot_runs(id, emit_run); }); break;
+        case SectionTag::kPages: for_each_page([&](PageId id) { page_runs(id, emit_run); }); break;
+      }
+      emit_run(std::span(zeros).first(framed_section_bytes(lengths[i]) - kSectionHeaderBytes - lengths[i]));
+    }
+    return file_bytes;
   }
 }
 
-/// Writes the page file of `seq` to `path` (replacing it).
+}  // namespace writer_detail
+
+/// The page file of sequence `seq`, as bytes.
+/// \throws kvpack::Error kUnsupported for a quantizer whose parameters page files cannot hold
+///         (KVQuant, TurboQuant, QJL) or a sequence with tokens outside pages; kInvalidArgument
+///         for an unknown sequence or options that do not fit (model_id over 256 bytes).
+template <class Cache>
+[[nodiscard]] std::vector<std::byte> write_page_file(const Cache& cache, SeqId seq, const PageFileOptions& options = {}) {
+  std::vector<std::byte> file;
+  writer_detail::emit_page_file(cache, seq, options, [&](std::span<const std::byte> bytes) {
+    // The first run is the preamble, which declares the size: one allocation, no regrowth.
+    if (file.empty()) file.reserve(static_cast<std::size_t>(writer_detail::declared_size(bytes)));
+    file.insert(file.end(), bytes.begin(), bytes.end());
+  });
+  return file;
+}
+
+/// Streams the page file of `seq` to file descriptor `fd` (a file, a pipe, a socket): the same
+/// bytes write_page_file returns, holding only the small sections in memory. Returns the bytes
+/// written.
+/// \throws kvpack::Error as write_page_file, before anything is written; kUnavailable when a
+///         write fails (errno's text), with what was written before left in place.
+template <class Cache>
+std::uint64_t write_page_file(int fd, const Cache& cache, SeqId seq, const PageFileOptions& options = {}) {
+  // Runs are small (a page's planes, its slot record): gathered into 1 MiB writes.
+  constexpr std::size_t kBufferBytes = std::size_t{1} << 20;
+  std::vector<std::byte> buffer;
+  const auto flush = [&] {
+    std::span<const std::byte> left(buffer);
+    while (!left.empty()) {
+      const ssize_t n = ::write(fd, left.data(), left.size());
+      if (n < 0 && errno == EINTR) continue;
+      KVPACK_CHECK(n > 0, kUnavailable,
+                   detail::message("write_page_file: writing to file descriptor ", fd, " failed: ",
+                                   n < 0 ? std::strerror(errno) : "no progress"));
+      left = left.subspan(static_cast<std::size_t>(n));
+    }
+    buffer.clear();
+  };
+  const std::uint64_t bytes = writer_detail::emit_page_file(cache, seq, options, [&](std::span<const std::byte> run) {
+    if (buffer.capacity() == 0) buffer.reserve(kBufferBytes);
+    if (buffer.size() + run.size() > kBufferBytes) flush();
+    buffer.insert(buffer.end(), run.begin(), run.end());
+  });
+  flush();
+  return bytes;
+}
+
+/// Writes the page file of `seq` to `path` (created or truncated), streamed as above.
+/// \throws kvpack::Error as write_page_file; kInvalidArgument when the file cannot be created or
+///         written.
 template <class Cache>
 void write_page_file(const std::string& path, const Cache& cache, SeqId seq, const PageFileOptions& options = {}) {
-  const std::vector<std::byte> bytes = write_page_file(cache, seq, options);
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  KVPACK_CHECK(f != nullptr, kInvalidArgument, detail::message("page file '", path, "' cannot be created"));
-  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const bool closed = std::fclose(f) == 0;
-  KVPACK_CHECK(written && closed, kInvalidArgument, detail::message("page file '", path, "': write failed"));
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  KVPACK_CHECK(fd >= 0, kInvalidArgument,
+               detail::message("page file '", path, "' cannot be created: ", std::strerror(errno)));
+  try {
+    (void)write_page_file(fd, cache, seq, options);
+  } catch (const Error& error) {
+    ::close(fd);
+    if (error.code() != ErrorCode::kUnavailable) throw;
+    detail::throw_error(ErrorCode::kInvalidArgument, detail::message("page file '", path, "': ", error.what()));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  KVPACK_CHECK(::close(fd) == 0, kInvalidArgument,
+               detail::message("page file '", path, "': write failed: ", std::strerror(errno)));
 }
 
 }  // namespace kvpack::inline v0::io

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <unistd.h>
 #include <vector>
@@ -341,6 +342,47 @@ TEST_CASE("a mapped page file reads as its bytes, with payload views into the ma
     CHECK(payload - other == static_cast<std::ptrdiff_t>(view.header().payload_bytes));
   }
   std::remove(path);
+}
+
+TEST_CASE("page files stream to a descriptor: a pipe and a file get the bytes write_page_file returns", "[io][page_file]") {
+  KVCache<layout::GQA, quant::Q8_0> cache(test::kPageFileShape);
+  const SeqId seq = test::fill_sequence(cache);
+  const std::vector<std::int32_t> tokens = test::token_ids(test::page_file_tokens(cache.config()));
+  const io::PageFileOptions options{"streamed", tokens};
+  const std::vector<std::byte> expected = io::write_page_file(cache, seq, options);
+  REQUIRE(expected.size() > 65536);  // more than a pipe holds: the writer must wait for its reader
+  int ends[2];
+  REQUIRE(pipe(ends) == 0);
+  std::vector<std::byte> received;
+  std::thread reader([&] {
+    std::byte buffer[4096];
+    for (ssize_t n; (n = read(ends[0], buffer, sizeof buffer)) > 0;) received.insert(received.end(), buffer, buffer + n);
+  });
+  const std::uint64_t written = io::write_page_file(ends[1], cache, seq, options);
+  close(ends[1]);
+  reader.join();
+  close(ends[0]);
+  CHECK(written == expected.size());
+  CHECK(received == expected);
+
+  char path[] = "/tmp/kvpack_page_file_XXXXXX";
+  const int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  close(fd);
+  io::write_page_file(path, cache, seq, options);
+  {
+    const io::MappedFile file(path);
+    CHECK(std::equal(file.bytes().begin(), file.bytes().end(), expected.begin(), expected.end()));
+  }
+  std::remove(path);
+
+  const auto bad_fd = test::thrown_error([&] { (void)io::write_page_file(-1, cache, seq, options); });
+  REQUIRE(bad_fd);
+  CHECK(bad_fd->code() == ErrorCode::kUnavailable);
+  CHECK_THAT(bad_fd->what(), Catch::Contains("Bad file descriptor"));
+  const auto bad_path = test::thrown_error([&] { io::write_page_file("/nonexistent/dir/file", cache, seq, options); });
+  REQUIRE(bad_path);
+  CHECK(bad_path->code() == ErrorCode::kInvalidArgument);
 }
 
 TEST_CASE("page files record keys stored before RoPE", "[io][page_file]") {
