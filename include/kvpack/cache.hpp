@@ -263,9 +263,7 @@ class KVCache {
         // an empty tail, whose buffers are allocated as write_tokens' first write would (the
         // next prefill then takes the path of a layer written before).
         LayerState& state = sequence->layers[layer];
-        state.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
-        state.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
-        state.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+        size_rows(state);
         state.tables.resize(static_cast<std::size_t>(streams_));
         for (index_t s = 0; s < streams_; ++s) {
           state.tables[s].reserve(hit.pages);
@@ -453,11 +451,7 @@ class KVCache {
     std::size_t table_growth = 0;
     try {
       if constexpr (kSummarizes) prepare_summary_scratch();
-      if (first_write) {
-        grown.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
-        grown.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
-        grown.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
-      }
+      if (first_write) size_rows(grown);
       grown.tables.resize(static_cast<std::size_t>(streams_));
       for (index_t s = 0; s < streams_; ++s) {
         const std::vector<PageId>* table = first_write ? nullptr : &state.tables[s];
@@ -496,14 +490,7 @@ class KVCache {
       }
     }
     // No more throws from here on.
-    if (first_write) {
-      state.tail_keys = std::move(grown.tail_keys);
-      state.tail_values = std::move(grown.tail_values);
-      state.tail_positions = std::move(grown.tail_positions);
-      tail_bytes_.fetch_add((state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
-                                state.tail_positions.capacity() * sizeof(std::int32_t),
-                            std::memory_order_relaxed);
-    }
+    if (first_write) take_rows(state, grown);
     state.tables.swap(grown.tables);  // the old tables go with `grown`
     table_bytes_.fetch_add(table_growth, std::memory_order_relaxed);
     const std::size_t slot_bytes = slot_record_bytes();
@@ -1167,6 +1154,23 @@ class KVCache {
     calibrated_[layer].store(true, std::memory_order_release);
   }
 
+  /// Sizes the full-precision row buffers of a layer not written yet (every stream's exact
+  /// prefix, tail window and page being filled), as its first write leaves them.
+  void size_rows(LayerState& rows) const {
+    rows.tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
+    rows.tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
+    rows.tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+  }
+  /// Moves the buffers `rows` got from size_rows into `state` and counts their bytes.
+  void take_rows(LayerState& state, LayerState& rows) noexcept {
+    state.tail_keys = std::move(rows.tail_keys);
+    state.tail_values = std::move(rows.tail_values);
+    state.tail_positions = std::move(rows.tail_positions);
+    tail_bytes_.fetch_add((state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
+                              state.tail_positions.capacity() * sizeof(std::int32_t),
+                          std::memory_order_relaxed);
+  }
+
   /// Appends `count` tokens (rows of [streams][dim]) at consecutive positions from `first`,
   /// encoding every page the tail overflows into. All checks and allocations happen before the
   /// first change, so a throw leaves the layer untouched.
@@ -1234,9 +1238,7 @@ class KVCache {
     }
     std::vector<PageId> fresh(static_cast<std::size_t>(fresh_count));
     allocate_pages(fresh);
-    std::vector<float> new_tail_keys;
-    std::vector<float> new_tail_values;
-    std::vector<std::int32_t> new_tail_positions;
+    LayerState new_rows;  // a first write's row buffers (size_rows)
     std::vector<StreamEviction> new_eviction;
     std::vector<std::vector<PageId>> new_tables;  // [streams] when used; capacity 0: keep the old table
     std::vector<std::vector<float>> new_page_scores;  // the same for StreamEviction::page_scores
@@ -1246,9 +1248,7 @@ class KVCache {
       staging.resize(static_cast<std::size_t>(page) * std::max(key_dim_, value_dim_));
       if constexpr (kSummarizes) prepare_summary_scratch();
       if (first_write) {
-        new_tail_keys.resize(static_cast<std::size_t>(streams_) * tail_capacity() * key_dim_);
-        new_tail_values.resize(static_cast<std::size_t>(streams_) * tail_capacity() * value_dim_);
-        new_tail_positions.resize(static_cast<std::size_t>(tail_capacity()));
+        size_rows(new_rows);
         new_tables.resize(static_cast<std::size_t>(streams_));
         if constexpr (kEvicts) {
           new_eviction.resize(static_cast<std::size_t>(streams_));
@@ -1286,13 +1286,10 @@ class KVCache {
     // 2. No more throws from here on.
     commit_calibration(layer, calibration);
     if (first_write) {
-      state.tail_keys = std::move(new_tail_keys);
-      state.tail_values = std::move(new_tail_values);
-      state.tail_positions = std::move(new_tail_positions);
+      take_rows(state, new_rows);
       state.tables = std::move(new_tables);
       state.eviction = std::move(new_eviction);
-      std::size_t bytes = (state.tail_keys.capacity() + state.tail_values.capacity()) * sizeof(float) +
-                          state.tail_positions.capacity() * sizeof(std::int32_t);
+      std::size_t bytes = 0;
       for (const StreamEviction& stream : state.eviction) {
         bytes += stream.row_live.capacity() + stream.row_scores.capacity() * sizeof(float);
       }
