@@ -8,18 +8,17 @@
 /// every page (sizes, full live masks, positions growing and equal across streams) and, by the
 /// caller's PageCheck, its contents: by default that each page decodes to finite values and
 /// re-encodes to its own bytes (a canonical encoding, as this build's encoder writes it), or
-/// only that it decodes to finite values, or nothing more (kStructure: a restore at memcpy
-/// speed, for files a kvpack cache wrote, whose checksums the reader verified). A loaded
-/// sequence is therefore always bit for bit what was written.
+/// only that it decodes to finite values, or nothing more (kStructure: the fastest restore, for
+/// files a kvpack cache wrote, whose checksums the reader verified). A loaded sequence is
+/// therefore always bit for bit what was written.
 ///
 /// Codec parameters: a layer whose codec calibrates them (FP8's scales) and that has none yet
 /// takes the file's, as its first prefill would have set them; any other layer must already
 /// have the file's (kInvalidArgument otherwise). A load that fails after a layer took them
 /// leaves that layer calibrated (the parameters are the cache's, shared by its sequences).
 /// Not loaded (kUnsupported): caches with an exact prefix (its rows are fp32, not pages) or an
-/// evictor. A cache with a full-precision tail takes the pages
-/// as they are, its tail left empty for the tokens decoded next. Token ids in the file are not
-/// attached to the sequence.
+/// evictor. A cache with a full-precision tail takes the pages as they are, its tail left empty
+/// for the tokens decoded next. Token ids in the file are not attached to the sequence.
 ///
 /// append_page_file puts a chunk (PageFileOptions::first_page) after the pages a sequence holds,
 /// in a fork of it, so that a chunk that fails leaves the sequence as it was.
