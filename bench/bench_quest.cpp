@@ -18,6 +18,11 @@
 // each step, as a decode loop that visits 32 layers between two steps of one layer would see.
 // Without it a 1/64 budget's 10 MB (fp16) would stay in L3 and the speed-up would be an L3 number.
 //
+// BM_PageBounds scores 8 streams' summaries alone (select::group_page_bounds, 4 query heads each,
+// per-head bounds kept), from 8192 boxes laid out at the Quest cache's metadata stride, as its
+// pages hold them; BM_ReadSummaries reads the same boxes and only sums them: the memory's share of
+// the scan. Both start every step from DRAM.
+//
 // Counters: bytes_per_step (page payloads read + the summaries' boxes scanned, all KV heads), GBps
 // (those bytes per second), byte_ratio (dense bytes / these bytes), speedup (dense time / this
 // time, same codec, same run) and efficiency (speedup / byte_ratio; the goal is >= 0.8).
@@ -148,6 +153,76 @@ struct QuestFixture final : Fixture {
   }
 };
 
+/// 8 streams × 1024 page summaries (random boxes around 0) at the Quest cache's metadata stride.
+struct SummaryFixture {
+  std::vector<std::byte> metadata;
+  std::vector<const float*> summaries;  // [kv_heads][pages]
+  std::vector<float> queries;           // [group][head_dim]
+  std::vector<float> head_bounds, page_bounds;
+  index_t pages = kContext / 32, group = kLayerShape.q_heads / kLayerShape.kv_heads;
+
+  SummaryFixture() {
+    using Selective = KVCache<layout::GQA, quant::Float<half>, evict::KeepAll, select::Quest>;
+    const Selective probe(kLayerShape, CacheConfig{}, {}, layout::GQA{}, evict::KeepAll{}, select::Quest{});
+    const std::size_t stride = probe.page_format_info().metadata_bytes;
+    const index_t d = kLayerShape.head_dim;
+    const std::size_t streams = kLayerShape.kv_heads;
+    metadata.resize(streams * pages * stride);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t i = 0; i < streams * pages; ++i) {
+      float* box = reinterpret_cast<float*>(metadata.data() + i * stride);
+      for (index_t c = 0; c < d; ++c) {
+        const float a = normal(rng), b = normal(rng);
+        box[c] = std::min(a, b);
+        box[d + c] = std::max(a, b);
+      }
+      summaries.push_back(box);
+    }
+    queries.resize(static_cast<std::size_t>(group) * d);
+    for (float& x : queries) x = normal(rng);
+    head_bounds.resize(static_cast<std::size_t>(group) * pages);
+    page_bounds.resize(pages);
+  }
+  [[nodiscard]] double box_bytes() const {
+    return static_cast<double>(summaries.size()) * 2 * kLayerShape.head_dim * sizeof(float);
+  }
+};
+
+/// read_only: sum the boxes instead of scoring them.
+void summaries_benchmark(benchmark::State& state, bool read_only) {
+  static SummaryFixture fixture;
+  const index_t d = kLayerShape.head_dim;
+  double step_seconds = 0.0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    flush_caches();
+    state.ResumeTiming();
+    const auto start = std::chrono::steady_clock::now();
+    float total = 0.0f;
+    for (index_t stream = 0; stream < kLayerShape.kv_heads; ++stream) {
+      const std::span<const float* const> boxes(fixture.summaries.data() + stream * fixture.pages, fixture.pages);
+      if (read_only) {
+        for (const float* box : boxes) {
+          float partial[16] = {};
+          for (index_t i = 0; i < 2 * d; i += 16) {
+            for (int lane = 0; lane < 16; ++lane) partial[lane] += box[i + lane];
+          }
+          for (const float x : partial) total += x;
+        }
+      } else {
+        select::group_page_bounds(fixture.queries, fixture.group, d, boxes, fixture.head_bounds, fixture.page_bounds);
+        total += fixture.page_bounds[0];
+      }
+    }
+    benchmark::DoNotOptimize(total);
+    step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  const double per_step = step_seconds / static_cast<double>(state.iterations());
+  state.counters["bytes_per_step"] = fixture.box_bytes();
+  state.counters["GBps"] = fixture.box_bytes() / per_step / 1e9;
+}
+
 /// Dense seconds per step, by codec: the baseline of speedup.
 std::map<std::string, double>& dense_seconds() {
   static std::map<std::string, double> seconds;
@@ -222,6 +297,12 @@ int main(int argc, char** argv) {
   register_codec<quant::Float<half>>();
   register_codec<quant::Q8_0>();
   register_codec<quant::Q4_0>();
+  benchmark::RegisterBenchmark("BM_PageBounds/pages:8x1024", [](benchmark::State& s) { summaries_benchmark(s, false); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("BM_ReadSummaries/pages:8x1024", [](benchmark::State& s) { summaries_benchmark(s, true); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
