@@ -18,6 +18,7 @@
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
+#include "kvpack/paging/huge_pages.hpp"
 
 namespace kvpack::inline v0::paging {
 
@@ -183,7 +184,12 @@ class PagePool {
     Slab slab;
     slab.payload.reset(static_cast<std::byte*>(::operator new[](
         pages * format_.payload_bytes, std::align_val_t{kPayloadAlignment})));
-    slab.metadata = std::make_unique<std::byte[]>(std::max<std::size_t>(1, pages * format_.metadata_bytes));
+    const std::size_t metadata_bytes = std::max<std::size_t>(1, pages * format_.metadata_bytes);
+    slab.metadata.reset(new std::byte[metadata_bytes]);
+    // Before the first touch, so that the memory faults in as huge pages where it can.
+    advise_huge_pages(slab.payload.get(), pages * format_.payload_bytes);
+    advise_huge_pages(slab.metadata.get(), metadata_bytes);
+    std::fill_n(slab.metadata.get(), metadata_bytes, std::byte{0});
     slab.ref_counts = std::make_unique<std::atomic<std::uint32_t>[]>(pages);
     free_list_.reserve(created_ + pages);  // release() must never allocate
     slabs_[k] = std::move(slab);

@@ -1,6 +1,8 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -127,4 +129,54 @@ TEST_CASE("concurrent allocate, retain and release balance to zero", "[paging][t
   c.join();
   CHECK(pool.pages_in_use() == 0);
   CHECK(pool.pages_available() == 2000);
+}
+
+TEST_CASE("huge-page advice covers exactly the whole 2 MiB pages inside a slab", "[paging]") {
+  using kvpack::paging::kHugePageBytes;
+  using kvpack::paging::whole_huge_pages;
+  constexpr std::uintptr_t kHuge = kHugePageBytes;
+  // Aligned start and end: all of it.
+  CHECK(whole_huge_pages(4 * kHuge, 3 * kHuge).begin == 4 * kHuge);
+  CHECK(whole_huge_pages(4 * kHuge, 3 * kHuge).end == 7 * kHuge);
+  // Unaligned at both ends: rounded inward.
+  CHECK(whole_huge_pages(4 * kHuge + 4096, 3 * kHuge).begin == 5 * kHuge);
+  CHECK(whole_huge_pages(4 * kHuge + 4096, 3 * kHuge).end == 7 * kHuge);
+  // Under one whole huge page: none, even when the range crosses a boundary.
+  const auto none = whole_huge_pages(kHuge - 4096, kHuge);
+  CHECK(none.begin == none.end);
+  CHECK(whole_huge_pages(0, 0).begin == whole_huge_pages(0, 0).end);
+  // A range reaching the top of the address space does not wrap.
+  const auto top = whole_huge_pages(UINTPTR_MAX - 100, 50);
+  CHECK(top.begin == top.end);
+#if defined(__linux__)
+  // The kernel accepts the advice wherever it supports transparent huge pages at all.
+  if (std::FILE* thp = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r")) {
+    std::fclose(thp);
+    std::vector<std::byte> buffer(4 * kHugePageBytes);
+    CHECK(kvpack::paging::advise_huge_pages(buffer.data(), buffer.size()));
+  }
+#endif
+  std::byte small[64];
+  CHECK_FALSE(kvpack::paging::advise_huge_pages(small, sizeof(small)));
+}
+
+TEST_CASE("a large slab's metadata starts zeroed, as small slabs' does", "[paging]") {
+  // Slabs past 4 MiB of metadata, which is advised before it is zeroed. Two pools dirty their
+  // metadata and go first, so the allocator hands their memory out again (fresh pages from the
+  // kernel would be zero whether the pool zeroes them or not).
+  for (int round = 0; round < 2; ++round) {
+    PagePool dirty(PageFormat{64, 4096}, 8192);
+    std::vector<PageId> taken(8000);
+    dirty.allocate(taken);
+    for (const PageId id : taken) std::memset(dirty.metadata(id), 0xA5, 4096);
+  }
+  PagePool pool(PageFormat{64, 4096}, 8192);
+  std::vector<PageId> ids(8000);
+  pool.allocate(ids);
+  std::size_t nonzero = 0;
+  for (const PageId id : ids) {
+    const std::byte* meta = pool.metadata(id);
+    nonzero += static_cast<std::size_t>(std::count_if(meta, meta + 4096, [](std::byte b) { return b != std::byte{0}; }));
+  }
+  CHECK(nonzero == 0);
 }
