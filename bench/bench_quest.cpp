@@ -68,6 +68,21 @@ void flush_caches() {
   benchmark::DoNotOptimize(a + b);
 }
 
+/// Runs `step` once per iteration, each from DRAM (flush_caches, not timed): seconds per step.
+template <class Step>
+double seconds_per_cold_step(benchmark::State& state, const Step& step) {
+  double seconds = 0.0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    flush_caches();
+    state.ResumeTiming();
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  return seconds / static_cast<double>(state.iterations());
+}
+
 struct Fixture {
   virtual ~Fixture() = default;
   /// One decode step of the layer through KVCache::attend: Quest with token budget `budget`,
@@ -193,12 +208,7 @@ struct SummaryFixture {
 void summaries_benchmark(benchmark::State& state, bool read_only) {
   static SummaryFixture fixture;
   const index_t d = kLayerShape.head_dim;
-  double step_seconds = 0.0;
-  for (auto _ : state) {
-    state.PauseTiming();
-    flush_caches();
-    state.ResumeTiming();
-    const auto start = std::chrono::steady_clock::now();
+  const double per_step = seconds_per_cold_step(state, [&] {
     float total = 0.0f;
     for (index_t stream = 0; stream < kLayerShape.kv_heads; ++stream) {
       const std::span<const float* const> boxes(fixture.summaries.data() + stream * fixture.pages, fixture.pages);
@@ -216,9 +226,7 @@ void summaries_benchmark(benchmark::State& state, bool read_only) {
       }
     }
     benchmark::DoNotOptimize(total);
-    step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  const double per_step = step_seconds / static_cast<double>(state.iterations());
+  });
   state.counters["bytes_per_step"] = fixture.box_bytes();
   state.counters["GBps"] = fixture.box_bytes() / per_step / 1e9;
 }
@@ -239,17 +247,7 @@ void quest_benchmark(benchmark::State& state, index_t budget_tokens) {
   const index_t page_size = kContext / fixture.pages;
   const index_t pages_per_head = budget_tokens < 0 ? -1 : quest.pages_to_read(fixture.pages, page_size);
   fixture.step(budget_tokens);  // builds the Quest cache outside the timing
-  double step_seconds = 0.0;
-  for (auto _ : state) {
-    state.PauseTiming();
-    flush_caches();
-    state.ResumeTiming();
-    const auto start = std::chrono::steady_clock::now();
-    fixture.step(budget_tokens);
-    step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  const double iterations = static_cast<double>(state.iterations());
-  const double per_step = step_seconds / iterations;
+  const double per_step = seconds_per_cold_step(state, [&] { fixture.step(budget_tokens); });
   const double heads = kLayerShape.kv_heads;
   const double dense_bytes = heads * fixture.pages * static_cast<double>(fixture.payload_bytes);
   const double bytes = budget_tokens < 0 ? dense_bytes
