@@ -176,7 +176,8 @@ TEST_CASE("a large slab's metadata starts zeroed, as small slabs' does", "[pagin
   std::size_t nonzero = 0;
   for (const PageId id : ids) {
     const std::byte* meta = pool.metadata(id);
-    nonzero += static_cast<std::size_t>(std::count_if(meta, meta + 4096, [](std::byte b) { return b != std::byte{0}; }));
+    const auto is_set = [](std::byte b) { return b != std::byte{0}; };
+    nonzero += static_cast<std::size_t>(std::count_if(meta, meta + 4096, is_set));
   }
   CHECK(nonzero == 0);
 }
