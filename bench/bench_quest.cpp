@@ -23,6 +23,9 @@
 // pages hold them; BM_ReadSummaries reads the same boxes and only sums them: the memory's share of
 // the scan. Both start every step from DRAM.
 //
+// KVPACK_BENCH_PAGE_SIZE=64 (or any page size the cache takes) runs every row but the box scan
+// with that page size instead of 32 tokens.
+//
 // Counters: bytes_per_step (page payloads read + the summaries' boxes scanned, all KV heads), GBps
 // (those bytes per second), byte_ratio (dense bytes / these bytes), speedup (dense time / this
 // time, same codec, same run) and efficiency (speedup / byte_ratio; the goal is >= 0.8).
@@ -31,6 +34,7 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -83,6 +87,19 @@ double seconds_per_cold_step(benchmark::State& state, const Step& step) {
   return seconds / static_cast<double>(state.iterations());
 }
 
+/// The caches' configuration: the default (32-token pages) unless KVPACK_BENCH_PAGE_SIZE names
+/// another page size. Quest reads whole pages scattered over the pool, so the page size is the
+/// length of each sequential run it reads. main checks the value before any benchmark runs.
+CacheConfig bench_config() {
+  CacheConfig config;
+  if (const char* text = std::getenv("KVPACK_BENCH_PAGE_SIZE")) {
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    config.page_size = *text != '\0' && *end == '\0' && value > 0 && value <= 4096 ? static_cast<index_t>(value) : 0;
+  }
+  return config;
+}
+
 struct Fixture {
   virtual ~Fixture() = default;
   /// One decode step of the layer through KVCache::attend: Quest with token budget `budget`,
@@ -117,7 +134,7 @@ struct QuestFixture final : Fixture {
       keys[i] = half(normal(rng) * (i % d < 4 ? 8.0f : 1.0f));  // a few large channels, as real keys
       values[i] = half(normal(rng));
     }
-    dense = std::make_unique<Dense>(kLayerShape, CacheConfig{}, bench::make_quantizer<Quantizer>(kLayerShape));
+    dense = std::make_unique<Dense>(kLayerShape, bench_config(), bench::make_quantizer<Quantizer>(kLayerShape));
     const SeqId seq = dense->add_sequence();
     dense->prefill(seq, 0, std::span<const half>(keys), std::span<const half>(values));
     // The default config has no tail window: all 32K tokens must sit in pages.
@@ -138,7 +155,7 @@ struct QuestFixture final : Fixture {
       select::Quest quest;
       quest.token_budget = budget;
       quest.dense_layers = 0;
-      cache = std::make_unique<Selective>(kLayerShape, CacheConfig{}, bench::make_quantizer<Quantizer>(kLayerShape),
+      cache = std::make_unique<Selective>(kLayerShape, bench_config(), bench::make_quantizer<Quantizer>(kLayerShape),
                                           layout::GQA{}, evict::KeepAll{}, quest);
       const SeqId seq = cache->add_sequence();
       cache->prefill(seq, 0, std::span<const half>(keys), std::span<const half>(values));
@@ -151,7 +168,7 @@ struct QuestFixture final : Fixture {
   void step(index_t budget) override {
     if (budget == kInterleaved) {
       if (!interleaved) {
-        interleaved = std::make_unique<Dense>(kLayerShape, CacheConfig{}, bench::make_quantizer<Quantizer>(kLayerShape));
+        interleaved = std::make_unique<Dense>(kLayerShape, bench_config(), bench::make_quantizer<Quantizer>(kLayerShape));
         const SeqId seq = interleaved->add_sequence();
         const std::size_t row = static_cast<std::size_t>(kLayerShape.kv_heads) * kLayerShape.head_dim;
         for (index_t t = 0; t < kContext; t += 32) {
@@ -291,6 +308,20 @@ void register_codec() {
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
+  if (const char* text = std::getenv("KVPACK_BENCH_PAGE_SIZE")) {
+    const CacheConfig config = bench_config();
+    try {
+      config.validate();
+    } catch (const Error& e) {
+      fmt::print(stderr, "kvpack_bench_quest: KVPACK_BENCH_PAGE_SIZE='{}' is not a page size: {}\n", text, e.what());
+      return 2;
+    }
+    if (kContext % config.page_size != 0) {
+      fmt::print(stderr, "kvpack_bench_quest: KVPACK_BENCH_PAGE_SIZE={} does not divide the {}-token context\n",
+                 config.page_size, kContext);
+      return 2;
+    }
+  }
   fmt::print(stderr, "kvpack_bench_quest: kernels for {} (KVPACK_ISA overrides)\n", dispatch::active_cpu_isa());
   register_codec<quant::Float<half>>();
   register_codec<quant::Q8_0>();
