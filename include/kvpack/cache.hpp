@@ -1469,14 +1469,26 @@ class KVCache {
     positions.resize(pages * static_cast<std::size_t>(page));
     if (check != PageCheck::kStructure) decoded.resize(static_cast<std::size_t>(page) * std::max(key_dim_, value_dim_));
     if (check == PageCheck::kReencode) reencoded.resize(payload_bytes);
-    // Decodes one plane, checks it finite and, for kReencode, that encoding gives its bytes back.
+    // Checks a plane's structure where the codec states one (KVQuant's outliers: decoding
+    // indexes rows by them), decodes it, checks it finite and, for kReencode, that encoding gives
+    // its bytes back, for codecs whose encoding is a fixed point of decode-then-encode.
     const auto check_plane = [&](const auto& codec, quant::PageGeometry geometry, const auto& params,
                                  const std::byte* plane, index_t s, std::size_t p, const char* what) {
+      using Codec = std::remove_cvref_t<decltype(codec)>;
+      if constexpr (requires { codec.valid_encoding(geometry, plane, params); }) {
+        KVPACK_CHECK(codec.valid_encoding(geometry, plane, params), kInvalidArgument,
+                     detail::message("append_encoded_pages: ", where(s, p), " (", what,
+                                     ") has an outlier section its decoder cannot apply (entries beyond the "
+                                     "capacity or outside the page)"));
+      }
       codec.decode(geometry, plane, params, decoded.data());
       const std::size_t elements = static_cast<std::size_t>(geometry.page_size) * geometry.head_dim;
       KVPACK_CHECK(std::all_of(decoded.begin(), decoded.begin() + elements, [](float x) { return std::isfinite(x); }),
                    kInvalidArgument,
                    detail::message("append_encoded_pages: ", where(s, p), " (", what, ") decodes to NaN or Inf"));
+      if constexpr (requires { Codec::kReencodeStable; }) {
+        if (!Codec::kReencodeStable) return;
+      }
       if (check != PageCheck::kReencode) return;
       codec.encode(geometry, decoded.data(), geometry.head_dim, params, reencoded.data());
       KVPACK_CHECK(std::memcmp(reencoded.data(), plane, codec.plane_bytes(geometry)) == 0, kInvalidArgument,

@@ -21,7 +21,9 @@ struct EncodedPage {
 enum class PageCheck {
   /// Decoded and re-encoded, the page gives back its own bytes: it is exactly what this cache's
   /// encoder would store for those values, so the kernels read only what they were tested on.
-  /// For bytes from anywhere.
+  /// For bytes from anywhere. Codecs whose encoding is not a fixed point of decode-then-encode
+  /// (KVQuant, TurboQuant, QJL: `kReencodeStable = false`) get kFinite's check and their own
+  /// structural one (KVQuant's outlier sections) instead.
   kReencode,
   /// Every element decodes to a finite value. For bytes a kvpack cache wrote, guarded by a
   /// checksum on the way (a sealed tier entry, a page file), when re-encoding costs too much.

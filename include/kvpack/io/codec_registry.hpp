@@ -1,13 +1,13 @@
 #pragma once
 /// \file codec_registry.hpp
-/// \brief The codecs page files cover, by name: how their parameters are stored, and their plane
-///        sizes, so that a reader holding only bytes can tell a codec it knows from one it does
-///        not, and check a file's payload sizes against its shape.
+/// \brief The codecs page files cover, by name: how their parameters are stored and checked, and
+///        their plane sizes, so that a reader holding only bytes can tell a codec it knows from
+///        one it does not, and check a file's payload sizes against its shape.
 ///
 /// Covered: f32/f16/bf16, FP8 (e4m3fn, e5m2), int8, q8_0, q4_0, KIVI (2/4 bits, groups 32/64/128,
-/// per-channel and per-token keys) and any Mixed of them. Not covered: KVQuant (its parameters
-/// point into calibration tables: offsets, ranges, codebooks) and TurboQuant/QJL (rotations and
-/// sketches rebuilt from a seed by a table store); the writer rejects them with kUnsupported.
+/// per-channel and per-token keys), KVQuant (2/3/4 bits), TurboQuant (MSE and Prod planes, any
+/// rate), QJL keys, and any Mixed of them. A codec whose plane size depends on its options
+/// (KVQuant's outlier fraction, TurboQuant's rate) reads them from the first PARM record.
 
 #include <array>
 #include <cstdint>
@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kvpack/io/page_file_format.hpp"
+#include "kvpack/io/params_format.hpp"
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/int8.hpp"
@@ -26,32 +27,6 @@
 #include "kvpack/quant/q8_0.hpp"
 
 namespace kvpack::inline v0::io {
-
-/// How a codec's params_type goes to and from PARM; unspecialised: not serialisable.
-template <class Params>
-struct ParamsFormat {
-  static constexpr bool kSupported = false;
-};
-template <>
-struct ParamsFormat<quant::NoParams> {
-  static constexpr bool kSupported = true;
-  static constexpr ParamsKind kKind = ParamsKind::kNone;
-  static constexpr std::size_t kBytes = 0;
-  static void write(const quant::NoParams&, std::byte*) noexcept {}
-  static quant::NoParams read(const std::byte*) noexcept { return {}; }
-};
-template <>
-struct ParamsFormat<quant::FP8Params> {
-  static constexpr bool kSupported = true;
-  static constexpr ParamsKind kKind = ParamsKind::kFP8Scale;
-  static constexpr std::size_t kBytes = sizeof(float);
-  static void write(const quant::FP8Params& p, std::byte* out) noexcept { std::memcpy(out, &p.scale, sizeof(float)); }
-  static quant::FP8Params read(const std::byte* in) noexcept {
-    quant::FP8Params p;
-    std::memcpy(&p.scale, in, sizeof(float));
-    return p;
-  }
-};
 
 /// The group size a codec records beside its name (KIVI's names leave it out), 0 if none.
 template <class Codec>
@@ -63,26 +38,29 @@ constexpr std::uint32_t codec_group() noexcept {
   }
 }
 
-/// One codec this build reads from page files.
+/// One codec this build reads from page files. `record` is a PARM record of the codec (the
+/// first stream's: plane sizes depend only on its codec prefix).
 struct CodecEntry {
   std::string_view name;
   Plane plane;
   std::uint32_t group;
   ParamsKind params;
-  std::size_t params_bytes;
+  std::size_t codec_prefix;  ///< leading bytes of a record that every stream's record shares
+  std::size_t (*params_bytes)(quant::PageGeometry);
+  /// Throws kInvalidArgument naming what is wrong with one record's values.
+  void (*check_params)(std::span<const std::byte> record, quant::PageGeometry, std::string_view what);
   /// Throws kvpack::Error when the codec cannot store this geometry (e.g. q8_0 at head_dim 48).
-  void (*validate)(quant::PageGeometry);
-  std::size_t (*plane_bytes)(quant::PageGeometry);
+  void (*validate)(quant::PageGeometry, std::span<const std::byte> record);
+  std::size_t (*plane_bytes)(quant::PageGeometry, std::span<const std::byte> record);
 };
 
 namespace registry_detail {
 
 template <class Codec>
 constexpr CodecEntry entry() {
-  return {Codec::kName, Codec::kPlane, codec_group<Codec>(), ParamsFormat<typename Codec::params_type>::kKind,
-          ParamsFormat<typename Codec::params_type>::kBytes,
-          [](quant::PageGeometry g) { Codec{}.validate(g); },
-          [](quant::PageGeometry g) { return Codec{}.plane_bytes(g); }};
+  using Format = ParamsFormat<Codec>;
+  return {Codec::kName,        Codec::kPlane,     codec_group<Codec>(), Format::kKind, Format::kCodecPrefix,
+          &Format::bytes,      &Format::check,    &Format::validate,    &Format::plane_bytes};
 }
 
 template <class Q>
@@ -112,7 +90,10 @@ inline const auto& known_codecs() {
   static const auto all = join(both<quant::Float<float>>(), both<quant::Float<half>>(), both<quant::Float<bfloat16>>(),
                                both<quant::FP8<quant::E4M3FN>>(), both<quant::FP8<quant::E5M2>>(), both<quant::Int8>(),
                                both<quant::Q8_0>(), both<quant::Q4_0>(), kivi<2, 32>(), kivi<2, 64>(), kivi<2, 128>(),
-                               kivi<4, 32>(), kivi<4, 64>(), kivi<4, 128>());
+                               kivi<4, 32>(), kivi<4, 64>(), kivi<4, 128>(), both<quant::KVQuant<2>>(),
+                               both<quant::KVQuant<3>>(), both<quant::KVQuant<4>>(), both<quant::TurboQuant<8>>(),
+                               both<quant::TurboQuant<8, quant::TurboVariant::kProd, quant::TurboVariant::kProd>>(),
+                               std::array{entry<quant::QjlKeyCodec>()});
   return all;
 }
 
@@ -123,9 +104,5 @@ inline const CodecEntry* find_codec(std::string_view name, Plane plane, std::uin
   }
   return nullptr;
 }
-
-/// Whether page files can carry a codec type (its parameters serialise).
-template <class Codec>
-inline constexpr bool kPageFileCodec = ParamsFormat<typename Codec::params_type>::kSupported;
 
 }  // namespace kvpack::inline v0::io

@@ -3,7 +3,7 @@
 /// \brief KV page files (issue 9): a versioned, self-describing, little-endian file of one
 ///        sequence's pages. write_page_file writes one; PageFile maps one read-only and
 ///        verifies it; PageFileView reads one from any buffer; load_page_file puts one back
-///        into a cache. The format: page_file_format.hpp
+///        into a cache; quantizer_from_file rebuilds the quantizer a file was written with. The format: page_file_format.hpp
 ///        and the README's "KV page files" section.
 
 #include <string>
@@ -12,6 +12,7 @@
 #include "kvpack/io/mapped_file.hpp"
 #include "kvpack/io/page_file_decode.hpp"
 #include "kvpack/io/page_file_loader.hpp"
+#include "kvpack/io/page_file_quantizer.hpp"
 #include "kvpack/io/page_file_reader.hpp"
 #include "kvpack/io/page_file_writer.hpp"
 

@@ -43,6 +43,10 @@ inline constexpr std::array<SectionTag, 5> kSectionOrder = {SectionTag::kMeta, S
 enum class ParamsKind : std::uint32_t {
   kNone = 0,      ///< the codec has none (0 bytes)
   kFP8Scale = 1,  ///< one f32: FP8Params::scale
+  kKVQuantKey = 2,    ///< outlier fraction, codebooks, the stream's key ranges (params_format.hpp)
+  kKVQuantValue = 3,  ///< outlier fraction, codebooks
+  kTurbo = 4,         ///< TurboQuant's rate, rotation and seeds
+  kQjl = 5,           ///< QJL's sketch rows and seeds
 };
 
 /// Limits the reader applies to header fields before it sizes anything from them: generous for

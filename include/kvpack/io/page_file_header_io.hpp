@@ -1,8 +1,8 @@
 #pragma once
 /// \file page_file_header_io.hpp
 /// \brief The META section: PageFileHeader to bytes, and bytes back to a header that has been
-///        checked for internal consistency (bounded sizes, a known codec, plane and slot sizes
-///        that match the shape) before anything is sized from it.
+///        checked for internal consistency (bounded sizes, known codecs, slot sizes that match
+///        the shape) before anything is sized from it; its plane sizes once PARM is read.
 
 #include <cstdint>
 #include <limits>
@@ -150,19 +150,9 @@ inline PageFileHeader read_meta(std::span<const std::byte> body, std::string_vie
     check_equal(what, "value_dim", static_cast<std::uint64_t>(value_dim), static_cast<std::uint64_t>(head_dim));
   }
 
-  // The codecs, then every size that follows from them and the shape.
-  const CodecEntry& key = codec_of(what, h.key_codec, Plane::kKey, h.key_group);
-  const CodecEntry& value = codec_of(what, h.value_codec, Plane::kValue, h.value_group);
-  const quant::PageGeometry key_geometry{h.page_size, h.key_dim};
-  const quant::PageGeometry value_geometry{h.page_size, h.value_dim};
-  key.validate(key_geometry);
-  value.validate(value_geometry);
-  check_equal(what, "key_plane_bytes", h.key_plane_bytes, key.plane_bytes(key_geometry));
-  check_equal(what, "value_plane_offset", h.value_plane_offset, (h.key_plane_bytes + 63) / 64 * 64);
-  check_equal(what, "value_plane_bytes", h.value_plane_bytes, value.plane_bytes(value_geometry));
-  check_equal(what, "payload_bytes", h.payload_bytes, (h.value_plane_offset + h.value_plane_bytes + 63) / 64 * 64);
-  KVPACK_CHECK(h.payload_bytes <= L::kMaxPageBytes, kInvalidArgument,
-               detail::message(what, ": pages of ", h.payload_bytes, " bytes exceed ", L::kMaxPageBytes));
+  // The codecs: unknown ones are kUnsupported here; their sizes are checked with PARM's records.
+  (void)codec_of(what, h.key_codec, Plane::kKey, h.key_group);
+  (void)codec_of(what, h.value_codec, Plane::kValue, h.value_group);
   check_equal(what, "slot_bytes", h.slot_bytes,
               static_cast<std::uint64_t>(h.page_size) * 4 + h.live_mask_words() * 8);
 
@@ -175,6 +165,25 @@ inline PageFileHeader read_meta(std::span<const std::byte> body, std::string_vie
   h.page_counts.resize(tables);
   for (std::uint32_t& n : h.page_counts) n = in.get<std::uint32_t>("page_counts");
   return h;
+}
+
+/// Checks META's plane, payload and slot sizes against the shape and the codecs, whose options
+/// (KVQuant's outlier fraction, TurboQuant's rate) come from a PARM record of each plane.
+inline void check_plane_sizes(const PageFileHeader& h, std::span<const std::byte> key_record,
+                              std::span<const std::byte> value_record, std::string_view what) {
+  using namespace header_detail;
+  const CodecEntry& key = codec_of(what, h.key_codec, Plane::kKey, h.key_group);
+  const CodecEntry& value = codec_of(what, h.value_codec, Plane::kValue, h.value_group);
+  const quant::PageGeometry key_geometry{h.page_size, h.key_dim};
+  const quant::PageGeometry value_geometry{h.page_size, h.value_dim};
+  key.validate(key_geometry, key_record);
+  value.validate(value_geometry, value_record);
+  check_equal(what, "key_plane_bytes", h.key_plane_bytes, key.plane_bytes(key_geometry, key_record));
+  check_equal(what, "value_plane_offset", h.value_plane_offset, (h.key_plane_bytes + 63) / 64 * 64);
+  check_equal(what, "value_plane_bytes", h.value_plane_bytes, value.plane_bytes(value_geometry, value_record));
+  check_equal(what, "payload_bytes", h.payload_bytes, (h.value_plane_offset + h.value_plane_bytes + 63) / 64 * 64);
+  KVPACK_CHECK(h.payload_bytes <= PageFileLimits::kMaxPageBytes, kInvalidArgument,
+               detail::message(what, ": pages of ", h.payload_bytes, " bytes exceed ", PageFileLimits::kMaxPageBytes));
 }
 
 }  // namespace kvpack::inline v0::io

@@ -14,7 +14,8 @@
 ///
 /// Codec parameters: a layer whose codec calibrates them (FP8's scales) and that has none yet
 /// takes the file's, as its first prefill would have set them; any other layer must already
-/// have the file's (kInvalidArgument otherwise). A load that fails after a layer took them
+/// have the file's (kInvalidArgument otherwise). Table codecs (KVQuant, TurboQuant, QJL) must
+/// hold the file's tables: their PARM records are compared with the cache's, byte for byte. A load that fails after a layer took them
 /// leaves that layer calibrated (the parameters are the cache's, shared by its sequences).
 /// Not loaded (kUnsupported): caches with an exact prefix (its rows are fp32, not pages) or an
 /// evictor. A cache with a full-precision tail takes the pages as they are, its tail left empty
@@ -98,7 +99,7 @@ void load_layer(Cache& cache, SeqId seq, const PageFileView& file, index_t c, in
     KVPACK_CHECK(file.page_count(c, s) == pages, kInvalidArgument,
                  detail::message("load_page_file: cache layer ", c, " holds ", pages, " pages in stream 0 and ",
                                  file.page_count(c, s), " in stream ", s));
-    params.push_back(read_codec_params<Quantizer>(file, c, s));
+    params.push_back(read_codec_params<Quantizer>(file, c, s, cache.quantizer()));
   }
   cache.append_encoded_pages(
       seq, writer, pages,

@@ -9,6 +9,7 @@
 /// and usable, and that every live slot's position is one the kernels can use. Afterwards every
 /// accessor is a bounds-checked view: no view can leave the buffer.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -131,21 +132,27 @@ class PageFileView {
     return (word >> (slot % 64)) & 1u;
   }
 
+  /// PARM: kinds and record sizes that are the codecs', every record's values checked, the codec
+  /// prefix equal in every record, then META's plane sizes from the first records.
   void read_params(std::span<const std::byte> body, std::string_view what) {
     const CodecEntry& key = *find_codec(header_.key_codec, Plane::kKey, header_.key_group);
     const CodecEntry& value = *find_codec(header_.value_codec, Plane::kValue, header_.value_group);
+    const quant::PageGeometry key_geometry{header_.page_size, header_.key_dim};
+    const quant::PageGeometry value_geometry{header_.page_size, header_.value_dim};
     ByteSource in(body, what);
     const auto key_kind = in.get<std::uint32_t>("PARM key kind");
     const auto key_bytes = in.get<std::uint32_t>("PARM key bytes");
     const auto value_kind = in.get<std::uint32_t>("PARM value kind");
     const auto value_bytes = in.get<std::uint32_t>("PARM value bytes");
-    KVPACK_CHECK(key_kind == static_cast<std::uint32_t>(key.params) && key_bytes == key.params_bytes &&
-                     value_kind == static_cast<std::uint32_t>(value.params) && value_bytes == value.params_bytes,
+    KVPACK_CHECK(key_kind == static_cast<std::uint32_t>(key.params) && key_bytes == key.params_bytes(key_geometry) &&
+                     value_kind == static_cast<std::uint32_t>(value.params) &&
+                     value_bytes == value.params_bytes(value_geometry),
                  kInvalidArgument,
                  detail::message(what, ": PARM declares parameters of kind ", key_kind, "/", value_kind, " (", key_bytes,
                                  "/", value_bytes, " bytes); the codecs ", header_.key_codec, "/", header_.value_codec,
                                  " have kind ", static_cast<std::uint32_t>(key.params), "/",
-                                 static_cast<std::uint32_t>(value.params)));
+                                 static_cast<std::uint32_t>(value.params), " (",
+                                 key.params_bytes(key_geometry), "/", value.params_bytes(value_geometry), " bytes)"));
     key_params_bytes_ = key_bytes;
     value_params_bytes_ = value_bytes;
     const std::size_t need = header_.page_counts.size() * (key_params_bytes_ + value_params_bytes_);
@@ -153,17 +160,20 @@ class PageFileView {
                  detail::message(what, ": PARM holds ", in.remaining(), " bytes of parameters, ", need, " expected"));
     params_ = body.subspan(16);
     for (std::size_t t = 0; t < header_.page_counts.size(); ++t) {
-      const std::size_t at = t * (key_params_bytes_ + value_params_bytes_);
-      if (key.params == ParamsKind::kFP8Scale) check_scale(params_.subspan(at, 4), what);
-      if (value.params == ParamsKind::kFP8Scale) check_scale(params_.subspan(at + key_params_bytes_, 4), what);
+      const auto c = static_cast<index_t>(t / static_cast<std::size_t>(header_.streams));
+      const auto s = static_cast<index_t>(t % static_cast<std::size_t>(header_.streams));
+      check_record(key, key_params(c, s), key_params(0, 0), key_geometry, what);
+      check_record(value, value_params(c, s), value_params(0, 0), value_geometry, what);
     }
+    check_plane_sizes(header_, key_params(0, 0), value_params(0, 0), what);
   }
-  /// A scale the codec divides by: zero or non-finite would turn every decoded value into Inf/NaN.
-  static void check_scale(std::span<const std::byte> bytes, std::string_view what) {
-    float scale;
-    std::memcpy(&scale, bytes.data(), sizeof(scale));
-    KVPACK_CHECK(std::isfinite(scale) && scale > 0.0f, kInvalidArgument,
-                 detail::message(what, ": PARM holds an FP8 scale of ", scale, "; scales are finite and > 0"));
+  static void check_record(const CodecEntry& codec, std::span<const std::byte> record, std::span<const std::byte> first,
+                           quant::PageGeometry g, std::string_view what) {
+    codec.check_params(record, g, what);
+    KVPACK_CHECK(std::equal(record.begin(), record.begin() + static_cast<std::ptrdiff_t>(codec.codec_prefix),
+                            first.begin()),
+                 kInvalidArgument,
+                 detail::message(what, ": PARM's ", codec.name, " records disagree on the codec's options"));
   }
 
   void read_tokens(std::span<const std::byte> body, std::string_view what) {

@@ -80,9 +80,9 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
                detail::message("write_page_file: codecs ", h.key_codec, "/", h.value_codec,
                                " are not in io/codec_registry.hpp"));
   const quant::PageGeometry geometry{h.page_size, h.key_dim};
-  h.key_plane_bytes = KeyCodec{}.plane_bytes(geometry);
+  h.key_plane_bytes = cache.quantizer().key.plane_bytes(geometry);
   h.value_plane_offset = cache.value_plane_offset();
-  h.value_plane_bytes = ValueCodec{}.plane_bytes({h.page_size, h.value_dim});
+  h.value_plane_bytes = cache.quantizer().value.plane_bytes({h.page_size, h.value_dim});
   h.payload_bytes = cache.page_format_info().payload_bytes;
   h.slot_bytes = static_cast<std::uint64_t>(h.page_size) * 4 + h.live_mask_words() * 8;
   KVPACK_CHECK(cache.page_format_info().metadata_bytes >= h.slot_bytes, kInvalidArgument,
@@ -125,13 +125,12 @@ inline std::uint64_t declared_size(std::span<const std::byte> preamble) noexcept
 template <class Cache, class Emit>
 std::uint64_t emit_page_file(const Cache& cache, SeqId seq, const PageFileOptions& options, Emit&& emit) {
   using Quantizer = typename Cache::quantizer_type;
-  using KeyFormat = ParamsFormat<typename Quantizer::key_codec::params_type>;
-  using ValueFormat = ParamsFormat<typename Quantizer::value_codec::params_type>;
+  using KeyFormat = ParamsFormat<typename Quantizer::key_codec>;
+  using ValueFormat = ParamsFormat<typename Quantizer::value_codec>;
   if constexpr (!KeyFormat::kSupported || !ValueFormat::kSupported) {
     detail::throw_error(ErrorCode::kUnsupported,
                         detail::message("write_page_file: quantizer ", Quantizer::name(),
-                                        " keeps parameters that point into tables (KVQuant's calibration, "
-                                        "TurboQuant's rotations); page files do not carry them yet"));
+                                        " has parameters page files do not carry"));
   } else {
     KVPACK_CHECK(options.model_id.size() <= PageFileLimits::kMaxString, kInvalidArgument,
                  detail::message("write_page_file: model_id is ", options.model_id.size(), " bytes, at most ",
@@ -148,17 +147,19 @@ std::uint64_t emit_page_file(const Cache& cache, SeqId seq, const PageFileOption
     }
     {
       ByteSink out(params);
+      const quant::PageGeometry key_geometry{h.page_size, h.key_dim}, value_geometry{h.page_size, h.value_dim};
+      const std::size_t key_bytes = KeyFormat::bytes(key_geometry), value_bytes = ValueFormat::bytes(value_geometry);
       out.put(static_cast<std::uint32_t>(KeyFormat::kKind));
-      out.put(static_cast<std::uint32_t>(KeyFormat::kBytes));
+      out.put(static_cast<std::uint32_t>(key_bytes));
       out.put(static_cast<std::uint32_t>(ValueFormat::kKind));
-      out.put(static_cast<std::uint32_t>(ValueFormat::kBytes));
+      out.put(static_cast<std::uint32_t>(value_bytes));
+      std::vector<std::byte> record(key_bytes + value_bytes);
       for (index_t c = 0; c < h.cache_layers; ++c) {
         for (index_t s = 0; s < h.streams; ++s) {
           const auto [key, value] = cache.codec_params(writer_of(c), s);
-          std::byte bytes[KeyFormat::kBytes + ValueFormat::kBytes + 1];
-          KeyFormat::write(key, bytes);
-          ValueFormat::write(value, bytes + KeyFormat::kBytes);
-          out.put_bytes(std::span<const std::byte>(bytes, KeyFormat::kBytes + ValueFormat::kBytes));
+          KeyFormat::write(cache.quantizer().key, key, key_geometry, record.data());
+          ValueFormat::write(cache.quantizer().value, value, value_geometry, record.data() + key_bytes);
+          out.put_bytes(record);
         }
       }
     }

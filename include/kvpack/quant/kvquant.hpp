@@ -82,6 +82,8 @@ struct KVQuantKeyParams {
   double outlier_fraction = 0.0;
 
   [[nodiscard]] const nuq::Codebook& rounding() const noexcept { return encode_codebook ? *encode_codebook : *codebook; }
+  /// Equal when they point into the same tables (page files compare the values they reach).
+  friend bool operator==(const KVQuantKeyParams&, const KVQuantKeyParams&) = default;
 };
 
 /// A value page's parameters: the layer's value codebooks and the outlier fraction.
@@ -91,6 +93,7 @@ struct KVQuantValueParams {
   double outlier_fraction = 0.0;
 
   [[nodiscard]] const nuq::Codebook& rounding() const noexcept { return encode_codebook ? *encode_codebook : *codebook; }
+  friend bool operator==(const KVQuantValueParams&, const KVQuantValueParams&) = default;
 };
 
 namespace kvquant_detail {
@@ -176,6 +179,17 @@ struct OutlierSection {
       put_u16(at + 2 + 2 * capacity + 2 * i, half(src[t * row_stride + c]).bits);
     }
   }
+  /// Whether decoders and kernels can apply the section: at most `capacity` entries, each
+  /// indexing an element of the page (they write and index rows by it).
+  [[nodiscard]] bool valid(const std::byte* at, PageGeometry g) const noexcept {
+    const std::size_t count = get_u16(at);
+    const std::size_t elements = static_cast<std::size_t>(g.page_size) * static_cast<std::size_t>(g.head_dim);
+    if (count > capacity) return false;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (get_u16(at + 2 + 2 * i) >= elements) return false;
+    }
+    return true;
+  }
   /// Overwrites the outliers' decoded values in a token-major [P][d] page.
   void apply(const std::byte* at, float* rows) const noexcept {
     const std::size_t count = std::min<std::size_t>(get_u16(at), capacity);
@@ -201,6 +215,9 @@ template <int Bits>
 struct KVQuantTraits {
   static_assert(Bits >= 2 && Bits <= 4, "KVQuant stores 2-, 3- or 4-bit codes");
   static constexpr int kBits = Bits;
+  /// Decoding then encoding a page need not give its bytes back (the per-token ranges and the
+  /// outliers are chosen again from rounded values), so loaders cannot check pages that way.
+  static constexpr bool kReencodeStable = false;
   std::shared_ptr<const KVQuantTables> tables;
   double outlier_fraction = 0.01;
 
@@ -227,6 +244,12 @@ struct KVQuantTraits {
                      (tables->value_encode_codebook.empty() ||
                       tables->value_encode_codebook.size() == tables->value_codebook.size()),
                  kInvalidConfig, "KVQuant's Q-Norm rounding codebooks must be absent or one per layer, like the codebooks");
+    validate_geometry(g, outlier_fraction);
+  }
+
+  /// The checks that need no calibration: an outlier fraction in range and a geometry the
+  /// planes can store (page files check these before they have any tables).
+  static void validate_geometry(PageGeometry g, double outlier_fraction) {
     KVPACK_CHECK(outlier_fraction >= 0.0 && outlier_fraction <= 0.05, kInvalidConfig,
                  ::kvpack::detail::message("KVQuant outlier_fraction must be in [0, 0.05], got ", outlier_fraction));
     KVPACK_CHECK(g.head_dim % 8 == 0 && static_cast<std::int64_t>(g.page_size) * g.head_dim <= 65536, kUnsupported,
@@ -261,6 +284,10 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
     return outliers_offset(g) + this->outliers(g).bytes();
   }
   [[nodiscard]] double nominal_bits_per_element(index_t) const noexcept { return Bits + 32.0 * this->outlier_fraction; }
+  /// The plane's structure decoders and kernels rely on (its outlier section).
+  [[nodiscard]] bool valid_encoding(PageGeometry g, const std::byte* plane, const params_type& p) const noexcept {
+    return this->outliers(g, p.outlier_fraction).valid(plane + outliers_offset(g), g);
+  }
   [[nodiscard]] params_type initial_params(index_t layer, index_t stream) const {
     this->check_stream(layer, stream);
     const std::size_t at = (static_cast<std::size_t>(layer) * this->tables->kv_heads + stream) * this->tables->head_dim;
@@ -332,6 +359,10 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
   }
   [[nodiscard]] double nominal_bits_per_element(index_t head_dim) const noexcept {
     return Bits + 32.0 / head_dim + 32.0 * this->outlier_fraction;
+  }
+  /// As for keys.
+  [[nodiscard]] bool valid_encoding(PageGeometry g, const std::byte* plane, const params_type& p) const noexcept {
+    return this->outliers(g, p.outlier_fraction).valid(plane + outliers_offset(g), g);
   }
   [[nodiscard]] params_type initial_params(index_t layer, index_t stream) const {
     this->check_stream(layer, stream);

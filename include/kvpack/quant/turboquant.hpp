@@ -249,6 +249,8 @@ class TurboCodec {
                                     : (kPlaneOf == Plane::kKey ? "turbo_prod_key" : "turbo_prod_value");
   static constexpr Plane kPlane = kPlaneOf;
   static constexpr TurboVariant kVariant = Variant;
+  /// Decoding then encoding moves codes (the rotation and the norm are recomputed in floats).
+  static constexpr bool kReencodeStable = false;
 
   TurboCodec() : TurboCodec(TurboOptions{}) {}
   explicit TurboCodec(TurboOptions options)
@@ -423,6 +425,8 @@ class QjlKeyCodec {
   using params_type = turbo_detail::Params;
   static constexpr std::string_view kName = "qjl_key";
   static constexpr Plane kPlane = Plane::kKey;
+  /// As for TurboCodec: a sketch of decoded values is not the stored one.
+  static constexpr bool kReencodeStable = false;
 
   QjlKeyCodec() : QjlKeyCodec(0) {}
   explicit QjlKeyCodec(index_t sketch_rows, std::uint64_t seed = 0x514A4C5F4B455953ull)
@@ -430,6 +434,9 @@ class QjlKeyCodec {
 
   /// m for head_dim d.
   [[nodiscard]] index_t sketch_rows(index_t d) const noexcept { return rows_ > 0 ? rows_ : 2 * d; }
+  /// The constructor's arguments: the requested m (0: 2·head_dim) and the base seed.
+  [[nodiscard]] index_t requested_rows() const noexcept { return rows_; }
+  [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
 
   void validate(PageGeometry g) const {
     KVPACK_CHECK(g.head_dim >= 1 && g.head_dim <= kMaxRotationDim, kUnsupported,

@@ -2,6 +2,8 @@
 // A small cache with one sequence held entirely in pages (no tail, a length that is a multiple of
 // page_size), the input page files are written from in the io tests.
 
+#include <catch2/catch.hpp>
+
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -41,6 +43,20 @@ SeqId fill_sequence(Cache& cache, std::uint32_t seed = 7) {
 inline bool same_planes(const io::PageFileHeader& h, const std::byte* a, const std::byte* b) {
   return std::memcmp(a, b, h.key_plane_bytes) == 0 &&
          std::memcmp(a + h.value_plane_offset, b + h.value_plane_offset, h.value_plane_bytes) == 0;
+}
+
+/// Attention over `seq` of `a` and `copy` of `b`, every layer, bit for bit.
+template <class Cache>
+void check_same_attention(const Cache& a, SeqId seq, const Cache& b, SeqId copy) {
+  const ModelShape& shape = a.shape();
+  const std::vector<float> query = test::random_rows(static_cast<std::size_t>(shape.q_heads), shape.head_dim, 99);
+  std::vector<float> expected(query.size()), got(query.size());
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    a.attend(seq, layer, std::span<const float>(query), std::span<float>(expected), 0.125f);
+    b.attend(copy, layer, std::span<const float>(query), std::span<float>(got), 0.125f);
+    INFO("layer " << layer);
+    CHECK(std::memcmp(expected.data(), got.data(), got.size() * sizeof(float)) == 0);
+  }
 }
 
 /// The token ids a test hands the writer.

@@ -167,8 +167,8 @@ TEST_CASE("a header that does not describe its pages is rejected", "[io][page_fi
   const auto rejected = [&](const std::function<void(io::PageFileHeader&)>& edit, ErrorCode code,
                             const std::string& words) { check_rejected(test::with_header(file, edit), code, words); };
   SECTION("codecs and layouts this build does not read") {
-    rejected([](auto& h) { h.key_codec = "nuq4_key"; }, ErrorCode::kUnsupported,
-             "key codec \"nuq4_key\" (group 0) is not one this build reads");
+    rejected([](auto& h) { h.key_codec = "nuq5_key"; }, ErrorCode::kUnsupported,
+             "key codec \"nuq5_key\" (group 0) is not one this build reads");
     rejected([](auto& h) { h.value_codec = "turbo_mse4_value"; }, ErrorCode::kUnsupported, "value codec");
     rejected([](auto& h) { h.key_codec = "fp8_e4m3fn_v2"; }, ErrorCode::kUnsupported, "fp8_e4m3fn_v2");
     rejected([](auto& h) { h.key_group = 32; }, ErrorCode::kUnsupported, "(group 32)");
@@ -183,7 +183,9 @@ TEST_CASE("a header that does not describe its pages is rejected", "[io][page_fi
     rejected([](auto& h) { h.shape.q_heads = 3; h.shape.kv_heads = 2; }, ErrorCode::kInvalidArgument,
              "not a multiple of kv_heads");
     rejected([](auto& h) { h.page_size = 40; }, ErrorCode::kInvalidArgument, "page_size = 40 is not a multiple of 16");
-    rejected([](auto& h) { h.page_size = 32; }, ErrorCode::kInvalidArgument, "META.key_plane_bytes");
+    // Slot sizes are checked in META; plane sizes once PARM gives the codec's options.
+    rejected([](auto& h) { h.page_size = 32; }, ErrorCode::kInvalidArgument, "META.slot_bytes");
+    rejected([](auto& h) { h.key_plane_bytes += 64; }, ErrorCode::kInvalidArgument, "META.key_plane_bytes");
     rejected([](auto& h) { h.cache_layers = 2; }, ErrorCode::kInvalidArgument, "META.cache_layers = 2");
     rejected([](auto& h) { h.payload_bytes += 64; }, ErrorCode::kInvalidArgument, "META.payload_bytes");
     rejected([](auto& h) { h.value_plane_offset = 0; }, ErrorCode::kInvalidArgument, "META.value_plane_offset");

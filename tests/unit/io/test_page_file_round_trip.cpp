@@ -93,20 +93,6 @@ void round_trip(CacheConfig config = {}) {
   check_round_trip(cache, seq, file);
 }
 
-/// Attention over `seq` of `a` and `copy` of `b`, every layer, bit for bit.
-template <class Cache>
-void check_same_attention(const Cache& a, SeqId seq, const Cache& b, SeqId copy) {
-  const ModelShape& shape = a.shape();
-  const std::vector<float> query = test::random_rows(static_cast<std::size_t>(shape.q_heads), shape.head_dim, 99);
-  std::vector<float> expected(query.size()), got(query.size());
-  for (index_t layer = 0; layer < shape.layers; ++layer) {
-    a.attend(seq, layer, std::span<const float>(query), std::span<float>(expected), 0.125f);
-    b.attend(copy, layer, std::span<const float>(query), std::span<float>(got), 0.125f);
-    INFO("layer " << layer);
-    CHECK(std::memcmp(expected.data(), got.data(), got.size() * sizeof(float)) == 0);
-  }
-}
-
 /// Loads the file of a filled cache's sequence into a fresh cache of the same type (behind
 /// another sequence), at every PageCheck: the loaded sequence writes the same bytes, so it holds
 /// the same pages, positions, live masks and codec parameters (attention over it is then the
@@ -135,7 +121,7 @@ void load_round_trip(CacheConfig config = {}) {
       }
     }
     if constexpr (std::is_same_v<typename Cache::quantizer_type, quant::KIVI<2, 64>>) {
-      check_same_attention(original, seq, loaded, copy);  // keys before RoPE: rotated at read
+      test::check_same_attention(original, seq, loaded, copy);  // keys before RoPE: rotated at read
     }
   }
   Cache alone(test::kPageFileShape, config);
@@ -200,7 +186,7 @@ TEST_CASE("page files load back with keys before RoPE and with positions that sk
     const SeqId copy = io::load_page_file(loaded, io::PageFileView::parse(bytes));
     CHECK(io::write_page_file(loaded, copy) == bytes);
     CHECK(loaded.read_back(copy, 2, 1).positions == original.read_back(seq, 2, 1).positions);
-    check_same_attention(original, seq, loaded, copy);
+    test::check_same_attention(original, seq, loaded, copy);
   }
 }
 
@@ -405,14 +391,6 @@ TEST_CASE("page files record keys stored before RoPE", "[io][page_file]") {
 }
 
 TEST_CASE("the writer rejects what page files cannot carry yet", "[io][page_file]") {
-  SECTION("TurboQuant: parameters point into rotation tables") {
-    KVCache<layout::GQA, quant::TurboQuant<8>> cache(test::kPageFileShape);
-    const SeqId seq = test::fill_sequence(cache);
-    const auto error = test::thrown_error([&] { (void)io::write_page_file(cache, seq); });
-    REQUIRE(error);
-    CHECK(error->code() == ErrorCode::kUnsupported);
-    CHECK_THAT(error->what(), Catch::Contains("page files do not carry them yet"));
-  }
   SECTION("tokens in the full-precision tail") {
     CacheConfig config;
     config.tail_tokens = 32;
@@ -503,7 +481,7 @@ TEST_CASE("append_encoded_pages takes another cache's pages and refuses bytes it
     for (index_t layer = 0; layer < test::kPageFileShape.layers; ++layer) {
       cache.append_encoded_pages(target, layer, 3, from_source(layer));
     }
-    check_same_attention(source, seq, cache, target);
+    test::check_same_attention(source, seq, cache, target);
     CHECK(cache.length(target, 1) == source.length(seq, 1));
   }
   SECTION("the structure of every page") {
@@ -571,7 +549,7 @@ TEST_CASE("page files load into a cache with a full-precision tail or Quest's su
         c->append(s, layer, std::span<const float>(row), std::span<const float>(row), 96);
       }
     }
-    check_same_attention(source, seq, cache, copy);
+    test::check_same_attention(source, seq, cache, copy);
   }
   SECTION("Quest selects the same pages as it would from the source's own prefill") {
     using Quest = KVCache<layout::GQA, quant::Q8_0, evict::KeepAll, select::Quest>;
@@ -580,6 +558,6 @@ TEST_CASE("page files load into a cache with a full-precision tail or Quest's su
     const SeqId filled = test::fill_sequence(original);
     Quest cache(test::kPageFileShape, {}, {}, {}, {}, quest);
     const SeqId copy = io::load_page_file(cache, io::PageFileView::parse(bytes));
-    check_same_attention(original, filled, cache, copy);
+    test::check_same_attention(original, filled, cache, copy);
   }
 }
