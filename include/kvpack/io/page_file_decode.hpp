@@ -80,7 +80,10 @@ template <quant::Quantizer Quantizer>
 template <quant::Quantizer Quantizer>
 void decode_page(const PageFileView& file, index_t layer, index_t stream, std::uint32_t page, float* keys,
                  float* values, const Quantizer& quantizer = {}) {
-  const auto [key_params, value_params] = read_codec_params<Quantizer>(file, layer, stream, quantizer);
+  // Not a structured binding: clang 14 rejects naming one inside the requires-expressions below.
+  const auto params = read_codec_params<Quantizer>(file, layer, stream, quantizer);
+  const auto& key_params = params.first;
+  const auto& value_params = params.second;
   const PageFileHeader& h = file.header();
   const quant::PageGeometry key_geometry{h.page_size, h.key_dim}, value_geometry{h.page_size, h.value_dim};
   // Seeded tables (TurboQuant, QJL) are built on first use.
