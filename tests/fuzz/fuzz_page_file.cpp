@@ -6,13 +6,17 @@
 // Random mutations almost never keep a CRC32C right, so each input is parsed twice: as it is, and
 // with its checksums and length recomputed (test::reseal), which lets mutations of header fields, parameters
 // and slots reach the checks behind the checksums.
-// A file that parses and holds f16, q4_0 or KIVI-2 pages of a small shape is also loaded into a
-// fresh cache of its type (io::load_page_file) at every PageCheck: the load either throws a
-// kvpack::Error and leaves no page allocated, or succeeds with every page equal to the file's.
+// A file that parses and holds f16, q4_0, KIVI-2, KVQuant-3 or TurboQuant-4 pages of a small shape
+// is also loaded into a fresh cache of its type (io::load_page_file) at every PageCheck, its
+// quantizer rebuilt from the file (io::quantizer_from_file: KVQuant's tables, TurboQuant's seeds):
+// the load either throws a kvpack::Error and leaves no page allocated, or succeeds with every page
+// equal to the file's.
 // A sequence loaded at kFinite (its pages decode to finite values, canonical or not) is attended
 // in every layer: the output must be finite.
 // Built and run by cmake/run_sanitizers.sh over the seed corpus in tests/fuzz/corpus/page_file
 // (valid files from the writer of several codecs and layouts, and a few broken ones).
+// The codecs with tables put hostile values within reach: KVQuant codebooks, ranges and outlier
+// sections, TurboQuant rotations and seeds.
 
 #include <cmath>
 #include <cstddef>
@@ -23,6 +27,7 @@
 
 #include "fuzz/fuzz_check.hpp"
 #include "kvpack/io/page_file_loader.hpp"
+#include "kvpack/io/page_file_quantizer.hpp"
 #include "kvpack/io/page_file_reader.hpp"
 #include "kvpack/kvpack.hpp"
 #include "unit/io/page_file_surgery.hpp"
@@ -44,7 +49,7 @@ void check_load(const kvpack::io::PageFileView& file, kvpack::PageCheck check) {
     if (h.keys_before_rope) {
       config.key_rope = RopeSpec{h.rope_theta, static_cast<RopePairing>(h.rope_pairing), h.rope_max_position};
     }
-    Cache cache(h.shape, config);
+    Cache cache(h.shape, config, io::quantizer_from_file<typename Cache::quantizer_type>(file));
     try {
       const SeqId seq = io::load_page_file(cache, file, check);
       const typename Cache::layout_type layout{};
@@ -92,6 +97,10 @@ void try_load(const kvpack::io::PageFileView& file, kvpack::PageCheck check) {
     check_load<KVCache<layout::CrossLayer<layout::GQA, 2>, quant::Q4_0>>(file, check);
   } else if (h.quantizer == quant::KIVI<2>::name() && h.layout == layout::GQA::kName) {
     check_load<KVCache<layout::GQA, quant::KIVI<2>>>(file, check);
+  } else if (h.quantizer == quant::KVQuant<3>::name() && h.layout == layout::GQA::kName) {
+    check_load<KVCache<layout::GQA, quant::KVQuant<3>>>(file, check);
+  } else if (h.quantizer == quant::TurboQuant<4>::name() && h.layout == layout::GQA::kName) {
+    check_load<KVCache<layout::GQA, quant::TurboQuant<4>>>(file, check);
   }
 }
 

@@ -31,6 +31,8 @@ class PageFileView {
   /// \throws kvpack::Error: kInvalidArgument for anything malformed (wrong magic, truncated,
   ///         oversized lengths, checksum mismatch, inconsistent sizes); kUnsupported for a version
   ///         or codec this build does not read.
+  /// The view borrows the bytes, so a temporary buffer would dangle as soon as parse returns.
+  static PageFileView parse(std::vector<std::byte>&& file, std::string_view what = "page file") = delete;
   [[nodiscard]] static PageFileView parse(std::span<const std::byte> file, std::string_view what = "page file") {
     PageFileView view;
     const SectionBodies s = split_sections(file, what);

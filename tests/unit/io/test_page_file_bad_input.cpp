@@ -275,7 +275,8 @@ TEST_CASE("pre-RoPE keys' positions stay within the RoPE tables", "[io][page_fil
       return body;
     });
   };
-  CHECK(io::PageFileView::parse(with_position(100)).position(0, 0, 0, 5) == 100);
+  const std::vector<std::byte> at_limit = with_position(100);
+  CHECK(io::PageFileView::parse(at_limit).position(0, 0, 0, 5) == 100);
   check_rejected(with_position(101), ErrorCode::kInvalidArgument, "page 0 slot 5 has position 101, outside [0, 100]");
 }
 

@@ -171,7 +171,8 @@ TEST_CASE("KVQuant page files carry Q-Norm rounding levels, outlier fractions an
     quant::TurboQuant<6> quantizer;
     quantizer.key = quant::TurboQuant<6>::key_codec({quant::TurboQuant<6>::kRate, quant::RotationKind::kDense, 12345});
     table_round_trip<layout::GQA>(quantizer);
-    const io::PageFileView file = io::PageFileView::parse(file_of(quantizer));
+    const std::vector<std::byte> bytes = file_of(quantizer);  // the view borrows these bytes
+    const io::PageFileView file = io::PageFileView::parse(bytes);
     CHECK(io::quantizer_from_file<quant::TurboQuant<6>>(file).key.options() == quantizer.key.options());
   }
 }
@@ -238,14 +239,16 @@ TEST_CASE("table codecs' PARM records are checked before anything reads them", "
     rejected(with_params_edit(kvquant, ranges + 4 * (64 + 7), -1.0f), "key range");
     rejected(with_params_edit(kvquant, ranges + 4 * (64 + 7), 1e6f), "key range");
     rejected(with_params_edit(kvquant, ranges + 4 * 5, -7e4f), "key range");
-    CHECK_NOTHROW(io::PageFileView::parse(with_params_edit(kvquant, ranges + 4 * 5, -65504.0f)));
+    const std::vector<std::byte> lowest_half = with_params_edit(kvquant, ranges + 4 * 5, -65504.0f);
+    CHECK_NOTHROW(io::PageFileView::parse(lowest_half));
   }
   SECTION("KVQuant codebooks") {
     rejected(with_params_edit(kvquant, codebook, std::uint32_t{16}), "codebook of another size");
     rejected(with_params_edit(kvquant, codebook + 4 + 4 * 3, nan), "codebook level that is not finite");
     // The last level of 8 (the highest): beyond ±64, then at 64.
     rejected(with_params_edit(kvquant, codebook + 4 + 4 * 7, 65.0f), "codebook level that is not finite");
-    CHECK_NOTHROW(io::PageFileView::parse(with_params_edit(kvquant, codebook + 4 + 4 * 7, 64.0f)));
+    const std::vector<std::byte> level_at_limit = with_params_edit(kvquant, codebook + 4 + 4 * 7, 64.0f);
+    CHECK_NOTHROW(io::PageFileView::parse(level_at_limit));
     rejected(with_params_edit(kvquant, codebook + 4 + 4 * 12, 0.5f), "non-zero unused one");
     rejected(with_params_edit(kvquant, codebook + 4, 2.0f), "unsorted levels");
     rejected(with_params_edit(kvquant, key + 8, std::uint32_t{2}), "Q-Norm flag");
@@ -321,5 +324,6 @@ TEST_CASE("a KVQuant page whose outlier section leaves the page is refused befor
   }
   // The last element of the page is inside it.
   KVCache<layout::GQA, Q> cache(test::kPageFileShape, {}, quantizer);
-  CHECK_NOTHROW(io::load_page_file(cache, io::PageFileView::parse(with_outliers(1, 2047)), PageCheck::kFinite));
+  const std::vector<std::byte> last_element = with_outliers(1, 2047);
+  CHECK_NOTHROW(io::load_page_file(cache, io::PageFileView::parse(last_element), PageCheck::kFinite));
 }
