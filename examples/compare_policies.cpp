@@ -314,16 +314,18 @@ void print_eviction(const Options& o, index_t tokens, const std::vector<Row>& ro
       if (r.recall_needle) {
         const index_t context = o.needle_contexts.front();
         int questions = 0, recalls = 0;
-        std::uint64_t bytes = 0;
+        std::uint64_t bytes = 0, written = 0;
         for (const eval::NeedleCell& c : r.recall_needle->cells) {
           ++questions;
           recalls += c.tier_recalls;
           bytes += c.bytes_fetched;
+          written += c.bytes_written;
         }
         fmt::print("  {:<20} with recall from a tier: recall {} (without: {}); recalled on {} of {} questions, "
-                   "{:.1f} MiB fetched per recall\n",
+                   "{:.2f} MiB fetched per recall ({:.1f} % of what was written)\n",
                    "", r.recall_needle->compact(context), r.needle.compact(context), recalls, questions,
-                   recalls == 0 ? 0.0 : static_cast<double>(bytes) / recalls / (1 << 20));
+                   recalls == 0 ? 0.0 : static_cast<double>(bytes) / recalls / (1 << 20),
+                   written == 0 ? 0.0 : 100.0 * static_cast<double>(bytes) / static_cast<double>(written));
       }
     }
     if (r.model && r.model->not_applicable.empty() && r.model_budget_tokens > 0 && model_tokens) {
@@ -463,8 +465,9 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
       recall.clear();
       for (const eval::NeedleCell& c : r.recall_needle->cells) {
         recall += fmt::format("{}{{\"depth\": {:.2f}, \"recall\": {:.4f}, \"recalled_from_tier\": {}, "
-                              "\"bytes_fetched\": {}}}",
-                              recall.empty() ? "[" : ", ", c.depth, c.recall(), c.tier_recalls, c.bytes_fetched);
+                              "\"bytes_fetched\": {}, \"bytes_written\": {}}}",
+                              recall.empty() ? "[" : ", ", c.depth, c.recall(), c.tier_recalls, c.bytes_fetched,
+                              c.bytes_written);
       }
       recall += "]";
     }

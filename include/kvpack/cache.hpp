@@ -578,6 +578,10 @@ class KVCache {
     if (report != nullptr) {
       report->heads.assign(static_cast<std::size_t>(shape_.q_heads), select::UnreadBound{});
       report->read_pages.resize(static_cast<std::size_t>(streams_));
+      report->unread_spans.resize(static_cast<std::size_t>(streams_));
+      report->unread_score_bounds.resize(static_cast<std::size_t>(streams_));
+      for (auto& spans : report->unread_spans) spans.clear();
+      for (auto& bounds : report->unread_score_bounds) bounds.clear();
       report->fired = false;
     }
     if constexpr (kLatent) {
@@ -669,7 +673,8 @@ class KVCache {
         report->read_pages[s].assign(reading.begin(), reading.end());
         if constexpr (kSummarizes) {
           bound_unread(state, s, reading, head_bounds, scaled_queries, workspace,
-                       std::span<select::UnreadBound>(report->heads).subspan(static_cast<std::size_t>(s) * group, group));
+                       std::span<select::UnreadBound>(report->heads).subspan(static_cast<std::size_t>(s) * group, group),
+                       report->unread_spans[s], report->unread_score_bounds[s]);
         }
       }
     };
@@ -830,6 +835,7 @@ class KVCache {
     index_t live_tokens = 0;             ///< tokens not dropped, exact prefix included
     index_t dead_page_slots = 0;         ///< dead slots in its pages: what compaction would free
     std::vector<float> ghosts;           ///< [kMaxGhosts][summary_floats()] with select::Quest
+    std::vector<std::int32_t> ghost_positions;  ///< [kMaxGhosts][2]: first and last position of each
     index_t ghost_count = 0;
   };
   /// One layer of one sequence. Its full-precision rows, per stream: the exact prefix (rows
@@ -1791,7 +1797,7 @@ class KVCache {
     std::size_t kept = 0;
     for (std::size_t i = 0; i < table.size(); ++i) {
       if (live_count(live_mask(table[i])) == 0) {
-        if constexpr (kSummarizes) add_ghost(stream, summary_of(table[i]), lived_in(table[i]));
+        if constexpr (kSummarizes) add_ghost(stream, table[i], lived_in(table[i]));
         pool_.release(table[i]);
         stream.dead_page_slots -= page;
         continue;
@@ -1871,7 +1877,7 @@ class KVCache {
       // Decoding changed nothing; from here on nothing throws. The dead tokens of these pages
       // keep their summaries; the new pages summarize the live ones.
       for (std::size_t i = first; i < end; ++i) {
-        add_ghost(stream, summary_of(table[i]), lived_in(table[i]) - live_count(live_mask(table[i])));
+        add_ghost(stream, table[i], lived_in(table[i]) - live_count(live_mask(table[i])));
       }
     }
     // The last page's unused slots repeat its last token (dead slots): they leave its scales and
@@ -2000,10 +2006,12 @@ class KVCache {
 
   /// The certified bound for one stream's heads after attend read the pages `reading` and the
   /// live tail rows: unread tokens are the pages not read, the dead slots of pages read, the
-  /// tokens of freed pages (ghosts) and dead tail rows.
+  /// tokens of freed pages (ghosts) and dead tail rows. `spans` and `span_bounds` receive the
+  /// entries with unread tokens, as AttendReport describes them.
   void bound_unread(const LayerState& state, index_t s, std::span<const index_t> reading,
                     std::span<const float> head_bounds, std::span<const float> queries,
-                    const kernels::Workspace& workspace, std::span<select::UnreadBound> out) const {
+                    const kernels::Workspace& workspace, std::span<select::UnreadBound> out,
+                    std::vector<UnreadSpan>& spans, std::vector<float>& span_bounds) const {
     const index_t group = static_cast<index_t>(out.size());
     const std::vector<PageId>& table = state.tables[s];
     const std::size_t pages = table.size();
@@ -2074,6 +2082,40 @@ class KVCache {
     }
     select::unread_bounds(bounds, unread, std::span<const float>(workspace.running_max(), static_cast<std::size_t>(group)),
                           std::span<const float>(workspace.running_sum(), static_cast<std::size_t>(group)), max_norm, out);
+    // The entries with unread tokens, for recall: where they lie and their bounds.
+    spans.clear();
+    for (std::size_t e = 0; e < entries; ++e) {
+      if (unread[e] == 0) continue;
+      std::pair<std::int32_t, std::int32_t> range;
+      if (e < pages) {
+        range = position_range(table[e]);
+      } else if (e < pages + ghosts) {
+        range = {stream->ghost_positions[2 * (e - pages)], stream->ghost_positions[2 * (e - pages) + 1]};
+      } else {
+        const std::int32_t position = state.tail_positions[dead_rows[e - pages - ghosts]];
+        range = {position, position};
+      }
+      spans.push_back({range.first, range.second, unread[e]});
+    }
+    span_bounds.clear();
+    for (index_t h = 0; h < group; ++h) {
+      for (std::size_t e = 0; e < entries; ++e) {
+        if (unread[e] != 0) span_bounds.push_back(bounds[h * entries + e]);
+      }
+    }
+  }
+
+  /// The first and last position of a page's slots (unused slots repeat the last token's).
+  [[nodiscard]] std::pair<std::int32_t, std::int32_t> position_range(PageId id) const noexcept {
+    const std::byte* metadata = pool_.metadata(id);
+    std::int32_t first = std::numeric_limits<std::int32_t>::max(), last = std::numeric_limits<std::int32_t>::min();
+    for (index_t t = 0; t < config_.page_size; ++t) {
+      std::int32_t position = 0;
+      std::memcpy(&position, metadata + static_cast<std::size_t>(t) * sizeof(std::int32_t), sizeof(position));
+      first = std::min(first, position);
+      last = std::max(last, position);
+    }
+    return {first, last};
   }
 
   // Ghosts: the summaries of tokens that died with their page (or left it in a compaction), kept
@@ -2086,25 +2128,36 @@ class KVCache {
     if constexpr (kSummarizes) {
       if (!stream.ghosts.empty()) return;
       stream.ghosts.resize(kMaxGhosts * summary_floats());
-      table_bytes_.fetch_add(stream.ghosts.capacity() * sizeof(float), std::memory_order_relaxed);
+      stream.ghost_positions.resize(2 * kMaxGhosts);
+      table_bytes_.fetch_add(stream.ghosts.capacity() * sizeof(float) +
+                                 stream.ghost_positions.capacity() * sizeof(std::int32_t),
+                             std::memory_order_relaxed);
     }
   }
 
-  /// Keeps `count` dead tokens under `summary`'s box (ensure_ghosts first).
-  void add_ghost(StreamEviction& stream, const float* summary, index_t count) noexcept {
+  /// Keeps the `count` dead tokens of page `id` under its summary's box and its position range
+  /// (ensure_ghosts first).
+  void add_ghost(StreamEviction& stream, PageId id, index_t count) noexcept {
     if (count <= 0) return;
     const std::size_t n = summary_floats();
+    std::int32_t* positions = stream.ghost_positions.data();
     if (stream.ghost_count == kMaxGhosts) {
       for (index_t g = 0; g < kMaxGhosts / 2; ++g) {
         merge_ghost(stream.ghosts.data() + static_cast<std::size_t>(g) * n,
                     stream.ghosts.data() + static_cast<std::size_t>(2 * g) * n,
                     stream.ghosts.data() + static_cast<std::size_t>(2 * g + 1) * n);
+        positions[2 * g] = std::min(positions[4 * g], positions[4 * g + 2]);
+        positions[2 * g + 1] = std::max(positions[4 * g + 1], positions[4 * g + 3]);
       }
       stream.ghost_count = kMaxGhosts / 2;
     }
-    float* ghost = stream.ghosts.data() + static_cast<std::size_t>(stream.ghost_count++) * n;
-    std::copy_n(summary, n - 1, ghost);
+    float* ghost = stream.ghosts.data() + static_cast<std::size_t>(stream.ghost_count) * n;
+    std::copy_n(summary_of(id), n - 1, ghost);
     ghost[n - 1] = static_cast<float>(count);
+    const auto [first, last] = position_range(id);
+    positions[2 * stream.ghost_count] = first;
+    positions[2 * stream.ghost_count + 1] = last;
+    ++stream.ghost_count;
   }
 
   /// out = the union of ghosts a and b (out may be a).
@@ -2135,7 +2188,8 @@ class KVCache {
       }
       for (const StreamEviction& stream : state.eviction) {
         tails += stream.row_live.capacity() + stream.row_scores.capacity() * sizeof(float);
-        tables += (stream.page_scores.capacity() + stream.ghosts.capacity()) * sizeof(float);
+        tables += (stream.page_scores.capacity() + stream.ghosts.capacity()) * sizeof(float) +
+                  stream.ghost_positions.capacity() * sizeof(std::int32_t);
         elements += static_cast<std::size_t>(stream.live_tokens) * (key_dim_ + value_dim_);
       }
     }

@@ -101,6 +101,15 @@ struct MemoryUsage {
   }
 };
 
+/// One source of a KV stream's unread tokens in an AttendReport: a page attend did not read (or
+/// the dead slots of one it read), the tokens of freed pages (kept as one summary), or a dead
+/// tail row. What bound recall (tier/recall.hpp) fetches back, span by span.
+struct UnreadSpan {
+  std::int32_t first_position = 0;  ///< every unread token of the span is at a position in
+  std::int32_t last_position = 0;   ///< [first_position, last_position] (tokens may be live there too)
+  index_t tokens = 0;               ///< unread tokens in the span
+};
+
 /// What one `attend` left unread, and how much it could matter: the certified bound of
 /// select/unread_bound.hpp per query head, over the pages select::Quest skipped, the slots an
 /// evictor dropped (their pages' summaries are kept after the pages are freed) and dead tail rows.
@@ -111,6 +120,12 @@ struct AttendReport {
   std::size_t pages_read = 0;              ///< out: pages read, over the layer's KV streams
   std::size_t pages_total = 0;             ///< out: pages held
   std::vector<std::vector<index_t>> read_pages;  ///< out: [streams] indices into pages() of the pages read
+  /// out: [streams] the spans of unread tokens the bound covers (empty when nothing is unread or
+  /// the cache certifies nothing), and [streams][group][spans] for each of the stream's query
+  /// heads (`group` = q_heads / kv_heads) an upper bound U on q·k·scale over the span's tokens:
+  /// the span adds at most tokens·e^{U} to the softmax sum the bound compares with.
+  std::vector<std::vector<UnreadSpan>> unread_spans;
+  std::vector<std::vector<float>> unread_score_bounds;
   [[nodiscard]] double max_mass() const noexcept {
     double top = 0.0;
     for (const select::UnreadBound& head : heads) top = top > head.mass ? top : head.mass;

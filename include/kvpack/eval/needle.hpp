@@ -104,10 +104,11 @@ struct NeedleCell {
   int hits = 0;
   int misses = 0;
   int false_alarms = 0;
-  /// With NeedleSpec::recall_from_tier: questions for which some stream was recalled, and the
-  /// tier bytes fetched for them.
+  /// With NeedleSpec::recall_from_tier: questions for which some stream was recalled, the tier
+  /// bytes fetched for them, and the bytes written through (every token of every question).
   int tier_recalls = 0;
   std::uint64_t bytes_fetched = 0;
+  std::uint64_t bytes_written = 0;
   [[nodiscard]] double recall() const noexcept { return trials == 0 ? 0.0 : static_cast<double>(recalled) / trials; }
   [[nodiscard]] double retrieval() const noexcept {
     return trials == 0 ? 0.0 : static_cast<double>(retrieved) / trials;
@@ -430,7 +431,8 @@ class NeedleSuite {
     std::optional<tier::RecallStore> store;
     if (spec_.recall_from_tier && detector) {
       host.emplace(std::size_t{1} << 40);  // a bound, not an allocation: nothing is ever dropped
-      store.emplace(*host, "needle");
+      // Entries of one page each: recall fetches the spans the bound implicates, a page at most.
+      store.emplace(*host, "needle", config.page_size);
     }
     const auto write_through = [&](index_t first, index_t count) {
       if (!store) return;
@@ -462,6 +464,7 @@ class NeedleSuite {
         ++cell.tier_recalls;
       }
       cell.bytes_fetched += store->stats().bytes_fetched;
+      cell.bytes_written += store->stats().bytes_written;
     } else if (detector) {
       cache->attend_reported(seq, 0, std::span<const float>(trial.question), std::span<float>(out), scale, report);
     } else {

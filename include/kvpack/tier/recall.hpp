@@ -8,8 +8,11 @@
 ///
 /// Synchronous in this version: the fetch happens inside attend_with_recall. A KV stream is
 /// recalled only when one of its query heads fired, so a cache whose eviction was harmless pays
-/// nothing but the bound; a fired head gets attention over every token ever written, the live
-/// ones as the cache decodes them and the dropped ones as written (fp32).
+/// nothing but the bound. Of a fired stream, only the unread spans the bound implicates are
+/// fetched (AttendReport::unread_spans: the pages not read, the summaries of freed pages, dead
+/// tail rows): the fewest spans, highest bound first, without which every head's bound over the
+/// rest is at most ε. Its heads are recomputed over the live tokens (as the cache decodes them)
+/// plus the dropped tokens fetched (as written, fp32); what stays unread is certified ≤ ε.
 ///
 /// Keys are written as attention reads them: after RoPE, at the tokens' own positions (what
 /// KVCache::read_back returns). A cache that stores keys before RoPE is fine (read_back rotates
@@ -37,6 +40,7 @@
 #include "kvpack/cache_config.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
+#include "kvpack/select/unread_bound.hpp"
 #include "kvpack/tier/tier.hpp"
 
 namespace kvpack::inline v0::tier {
@@ -47,6 +51,10 @@ struct RecallStats {
   std::uint64_t recalls = 0;         ///< calls in which some head fired and tokens were fetched
   std::uint64_t streams_recalled = 0;
   std::uint64_t tokens_recalled = 0;  ///< dropped tokens brought back into a head's attention
+  std::uint64_t spans_recalled = 0;   ///< unread spans fetched (AttendReport::unread_spans)
+  std::uint64_t spans_left = 0;       ///< unread spans of recalled streams left in the tier
+  /// The largest certified unread mass a recalled head was left with (≤ the report's epsilon).
+  double max_mass_left = 0.0;
   std::uint64_t bytes_written = 0;    ///< entry bytes written through to the tier
   std::uint64_t bytes_fetched = 0;    ///< entry bytes read back from the tier
 };
@@ -77,7 +85,7 @@ class RecallStore {
                  detail::message("RecallStore::write: ", keys.size(), " key and ", values.size(), " value floats for ",
                                  positions.size(), " tokens of ", streams, " streams x ", dim));
     const auto found = written_.find({seq, layer});
-    Written written = found != written_.end() ? found->second : Written{streams, dim, 0, -1};
+    Written written = found != written_.end() ? found->second : Written{streams, dim, {}, -1};
     KVPACK_CHECK(written.streams == streams && written.dim == dim, kInvalidArgument,
                  "RecallStore::write: streams or dim differ from an earlier write of this layer");
     for (std::size_t i = 0; i < positions.size(); ++i) {
@@ -90,42 +98,58 @@ class RecallStore {
       const std::size_t n = std::min(positions.size() - first, static_cast<std::size_t>(chunk_tokens_));
       for (index_t s = 0; s < streams; ++s) {
         const std::vector<std::byte> entry = encode(keys, values, positions, first, n, s, streams, dim);
-        tier_.put(key_of(seq, layer, s, written.chunks), entry);
+        tier_.put(key_of(seq, layer, s, static_cast<std::uint32_t>(written.chunks.size())), entry);
         bytes += entry.size();
       }
-      ++written.chunks;
+      written.chunks.push_back({static_cast<std::int32_t>(positions[first]), static_cast<std::int32_t>(positions[first + n - 1])});
       written.last_position = positions[first + n - 1];
     }
     written_[{seq, layer}] = written;
     stats_.bytes_written += bytes;
   }
 
-  /// Every token written for (seq, layer, stream), in position order.
-  /// \throws kvpack::Error kUnavailable when an entry the store wrote is gone from the tier (a
-  ///         bounded tier dropped it) or the tier cannot be read; kInvalidArgument when damaged.
-  [[nodiscard]] StoredTokens read(SeqId seq, index_t layer, index_t stream) {
-    StoredTokens out;
+  /// First and last position of a written entry (one chunk of one write).
+  using EntryRange = std::pair<std::int32_t, std::int32_t>;
+
+  /// The entries written for (seq, layer), in write order (so in position order); every stream
+  /// has the same.
+  [[nodiscard]] std::span<const EntryRange> entries(SeqId seq, index_t layer) const {
     const auto found = written_.find({seq, layer});
-    if (found == written_.end()) return out;
+    return found == written_.end() ? std::span<const EntryRange>{} : std::span<const EntryRange>(found->second.chunks);
+  }
+
+  /// Appends the tokens of entry `entry` of (seq, layer, stream) to `out` (its dims set).
+  /// \throws kvpack::Error kInvalidArgument for an entry or stream not written; kUnavailable when
+  ///         the tier no longer holds it (a bounded tier dropped it) or cannot be read;
+  ///         kInvalidArgument when damaged.
+  void read_entry(SeqId seq, index_t layer, index_t stream, std::size_t entry, StoredTokens& out) {
+    const auto found = written_.find({seq, layer});
+    KVPACK_CHECK(found != written_.end() && entry < found->second.chunks.size(), kInvalidArgument,
+                 detail::message("RecallStore::read_entry: sequence ", seq, " layer ", layer, " has no entry ", entry));
     const Written& written = found->second;
     KVPACK_CHECK(stream >= 0 && stream < written.streams, kInvalidArgument,
                  detail::message("RecallStore::read: stream ", stream, " of ", written.streams, " written"));
     out.key_dim = out.value_dim = written.dim;
-    for (std::uint32_t chunk = 0; chunk < written.chunks; ++chunk) {
-      const std::string key = key_of(seq, layer, stream, chunk);
-      const std::optional<std::vector<std::byte>> entry = tier_.get(key);
-      KVPACK_CHECK(entry.has_value(), kUnavailable,
-                   detail::message("RecallStore: ", tier_.describe(), " no longer holds '", key, "'"));
-      stats_.bytes_fetched += entry->size();
-      decode(*entry, written.dim, key, out);
-    }
+    const std::string key = key_of(seq, layer, stream, static_cast<std::uint32_t>(entry));
+    const std::optional<std::vector<std::byte>> bytes = tier_.get(key);
+    KVPACK_CHECK(bytes.has_value(), kUnavailable,
+                 detail::message("RecallStore: ", tier_.describe(), " no longer holds '", key, "'"));
+    stats_.bytes_fetched += bytes->size();
+    decode(*bytes, written.dim, key, out);
+  }
+
+  /// Every token written for (seq, layer, stream), in position order.
+  /// \throws kvpack::Error as read_entry
+  [[nodiscard]] StoredTokens read(SeqId seq, index_t layer, index_t stream) {
+    StoredTokens out;
+    for (std::size_t entry = 0; entry < entries(seq, layer).size(); ++entry) read_entry(seq, layer, stream, entry, out);
     return out;
   }
 
   /// Removes `seq`'s entries from the tier.
   void forget(SeqId seq) {
     for (auto it = written_.lower_bound({seq, 0}); it != written_.end() && it->first.first == seq;) {
-      for (std::uint32_t chunk = 0; chunk < it->second.chunks; ++chunk) {
+      for (std::uint32_t chunk = 0; chunk < it->second.chunks.size(); ++chunk) {
         for (index_t s = 0; s < it->second.streams; ++s) tier_.erase(key_of(seq, it->first.second, s, chunk));
       }
       it = written_.erase(it);
@@ -138,7 +162,7 @@ class RecallStore {
  private:
   struct Written {
     index_t streams = 0, dim = 0;
-    std::uint32_t chunks = 0;
+    std::vector<std::pair<std::int32_t, std::int32_t>> chunks;  ///< first and last position of each
     std::int64_t last_position = -1;
   };
 
@@ -197,36 +221,140 @@ class RecallStore {
 
 namespace recall_detail {
 
-/// out[q_heads_of_stream][d] = exact softmax attention of each query head over `tokens` (double).
-inline void exact_heads(const StoredTokens& tokens, std::span<const float> query, index_t first_head, index_t heads,
-                        index_t dim, float scale, std::span<float> out) {
+/// A head's softmax over some tokens: its largest scaled score and Σ e^{s − max}.
+struct Softmax {
+  double max = -std::numeric_limits<double>::infinity();
+  double sum = 0.0;
+};
+
+/// Scores of query head `h` over `tokens`, in double from the query scaled in float as attend
+/// scales it (the span bounds are of that query).
+inline void head_scores(const StoredTokens& tokens, std::span<const float> query, index_t h, index_t dim, float scale,
+                        std::vector<double>& scores) {
   const std::size_t n = tokens.positions.size(), d = static_cast<std::size_t>(dim);
-  std::vector<double> p(n), acc(d);
+  thread_local std::vector<float> q;
+  q.resize(d);
+  for (std::size_t c = 0; c < d; ++c) q[c] = query[static_cast<std::size_t>(h) * d + c] * scale;
+  scores.resize(n);
+  for (std::size_t t = 0; t < n; ++t) {
+    double dot = 0.0;
+    for (std::size_t c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * tokens.keys[t * d + c];
+    scores[t] = dot;
+  }
+}
+
+inline Softmax softmax_of(const std::vector<double>& scores) {
+  Softmax state;
+  for (double x : scores) state.max = std::max(state.max, x);
+  for (double x : scores) state.sum += std::exp(x - state.max);
+  return state;
+}
+
+/// out[heads][d] = exact softmax attention of each query head over `tokens` (double); returns
+/// each head's softmax.
+inline std::vector<Softmax> exact_heads(const StoredTokens& tokens, std::span<const float> query, index_t first_head,
+                                        index_t heads, index_t dim, float scale, std::span<float> out) {
+  const std::size_t n = tokens.positions.size(), d = static_cast<std::size_t>(dim);
+  std::vector<double> p, acc(d);
+  std::vector<Softmax> states;
   for (index_t h = first_head; h < first_head + heads; ++h) {
-    const float* q = query.data() + static_cast<std::size_t>(h) * d;
-    double top = -std::numeric_limits<double>::infinity();
-    for (std::size_t t = 0; t < n; ++t) {
-      double dot = 0.0;
-      for (std::size_t c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * tokens.keys[t * d + c];
-      p[t] = dot * scale;
-      top = std::max(top, p[t]);
-    }
-    double sum = 0.0;
-    for (double& x : p) sum += (x = std::exp(x - top));
+    head_scores(tokens, query, h, dim, scale, p);
+    const Softmax state = softmax_of(p);
+    states.push_back(state);
     std::fill(acc.begin(), acc.end(), 0.0);
     for (std::size_t t = 0; t < n; ++t) {
-      for (std::size_t c = 0; c < d; ++c) acc[c] += p[t] / sum * tokens.values[t * d + c];
+      const double weight = std::exp(p[t] - state.max) / state.sum;
+      for (std::size_t c = 0; c < d; ++c) acc[c] += weight * tokens.values[t * d + c];
     }
     for (std::size_t c = 0; c < d; ++c) out[static_cast<std::size_t>(h) * d + c] = static_cast<float>(acc[c]);
+  }
+  return states;
+}
+
+/// The certified unread mass of head `h` (of `group`) when spans `rest` (indices) stay unread
+/// and the attended tokens' softmax is `attended`: select::unread_mass_bound, with the sum
+/// rounded down to float so that it stays a lower bound.
+inline double mass_left(std::span<const UnreadSpan> spans, std::span<const float> bounds, std::span<const std::size_t> rest,
+                        index_t h, const Softmax& attended) {
+  thread_local std::vector<float> u;
+  thread_local std::vector<index_t> n;
+  u.clear();
+  n.clear();
+  for (std::size_t e : rest) {
+    u.push_back(bounds[static_cast<std::size_t>(h) * spans.size() + e]);
+    n.push_back(spans[e].tokens);
+  }
+  // unread_mass_bound takes the max as a float: the sum is rescaled to the rounded max and
+  // rounded down, so that it stays a lower bound of the attended sum.
+  const float max = static_cast<float>(attended.max);
+  const double rescaled = std::isfinite(max) ? attended.sum * std::exp(attended.max - max) * (1.0 - 0x1p-30) : 0.0;
+  float sum = static_cast<float>(rescaled);
+  if (static_cast<double>(sum) > rescaled) sum = std::nextafter(sum, 0.0f);
+  return select::unread_mass_bound(u, n, max, sum);
+}
+
+/// A stream's unread spans in decreasing order of their share of the bound: a span's largest
+/// term tokens·e^{U} relative to a head's attended sum, in logs (a NaN bound first).
+inline std::vector<std::size_t> spans_by_share(std::span<const UnreadSpan> spans, std::span<const float> bounds,
+                                               std::span<const Softmax> attended) {
+  const std::size_t count = spans.size();
+  std::vector<double> share(count, -std::numeric_limits<double>::infinity());
+  for (std::size_t e = 0; e < count; ++e) {
+    for (std::size_t h = 0; h < attended.size(); ++h) {
+      const double u = bounds[h * count + e];
+      const double term = u + std::log(static_cast<double>(spans[e].tokens)) - attended[h].max - std::log(attended[h].sum);
+      share[e] = std::max(share[e], std::isnan(term) ? std::numeric_limits<double>::infinity() : term);
+    }
+  }
+  std::vector<std::size_t> order(count);
+  for (std::size_t e = 0; e < count; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return share[a] > share[b]; });
+  return order;
+}
+
+/// The fewest k such that, with the spans order[0, k) attended (or not: counting them unread is
+/// only looser), every head's mass_left over order[k, end) against `attended` is at most
+/// `epsilon`. Fetching more spans only lowers the bound, so k is found by bisection.
+inline std::size_t spans_needed(std::span<const UnreadSpan> spans, std::span<const float> bounds,
+                                std::span<const std::size_t> order, std::span<const Softmax> attended, double epsilon) {
+  const auto fits = [&](std::size_t k) {
+    for (std::size_t h = 0; h < attended.size(); ++h) {
+      if (mass_left(spans, bounds, order.subspan(k), static_cast<index_t>(h), attended[h]) > epsilon) return false;
+    }
+    return true;
+  };
+  std::size_t low = 0, high = order.size();  // fits(size): nothing left unread
+  while (low < high) {
+    const std::size_t mid = low + (high - low) / 2;
+    if (fits(mid)) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  return low;
+}
+
+/// Adds token scores to a head's softmax.
+inline void add_scores(Softmax& state, std::span<const double> scores) {
+  for (double x : scores) {
+    if (x > state.max) {
+      state.sum = state.sum * std::exp(state.max - x) + 1.0;
+      state.max = x;
+    } else {
+      state.sum += std::exp(x - state.max);
+    }
   }
 }
 
 }  // namespace recall_detail
 
 /// attend with the cache's certified bound; for every KV stream with a query head whose bound
-/// exceeds report.epsilon, the stream's dropped tokens are fetched from `store` and its heads'
-/// outputs recomputed exactly over live ∪ recalled tokens. `Cache` is a KVCache (attend with a
-/// report) or an eval::AnyCache (attend_reported). Returns the streams recalled.
+/// exceeds report.epsilon, the unread spans the bound implicates are fetched from `store` (see
+/// the file comment) and the stream's heads recomputed exactly over the live tokens plus the
+/// dropped ones fetched. `Cache` is a KVCache (attend with a report) or an eval::AnyCache
+/// (attend_reported). Returns the streams recalled; `report` stays what attend reported, and
+/// store.stats() says what recall fetched and left (max_mass_left ≤ epsilon).
 /// \throws kvpack::Error as attend and RecallStore::read (a tier that cannot deliver: `out` then
 ///         holds the cache's own output for the streams not yet recalled, and the report says
 ///         the bound fired).
@@ -243,24 +371,75 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
   const ModelShape& shape = cache.shape();
   const index_t dim = shape.head_dim, group = shape.q_heads / shape.kv_heads;
   index_t recalled = 0;
+  std::vector<double> scores;
   for (index_t s = 0; s < shape.kv_heads; ++s) {
     bool fired = false;
     for (index_t g = 0; g < group; ++g) fired |= report.heads[static_cast<std::size_t>(s * group + g)].fired(report.epsilon);
     if (!fired) continue;
     StoredTokens all = cache.read_back(seq, layer, s);
-    const StoredTokens written = store.read(seq, layer, s);
-    // Dropped = written and not live (both in position order): append them after the live ones.
-    std::size_t live = 0;
-    const std::size_t live_count = all.positions.size(), d = static_cast<std::size_t>(dim);
-    for (std::size_t t = 0; t < written.positions.size(); ++t) {
-      while (live < live_count && all.positions[live] < written.positions[t]) ++live;
-      if (live < live_count && all.positions[live] == written.positions[t]) continue;
-      all.positions.push_back(written.positions[t]);
-      all.keys.insert(all.keys.end(), written.keys.begin() + t * d, written.keys.begin() + (t + 1) * d);
-      all.values.insert(all.values.end(), written.values.begin() + t * d, written.values.begin() + (t + 1) * d);
-      ++stats.tokens_recalled;
+    const auto stream = static_cast<std::size_t>(s);
+    const std::span<const UnreadSpan> spans(report.unread_spans[stream]);
+    const std::span<const float> bounds(report.unread_score_bounds[stream]);
+    KVPACK_CHECK(bounds.size() == spans.size() * static_cast<std::size_t>(group), kInvalidArgument,
+                 detail::message("attend_with_recall: the report holds ", bounds.size(), " span bounds for ",
+                                 spans.size(), " spans of ", group, " heads"));
+    const auto heads = static_cast<std::size_t>(group);
+    std::vector<recall_detail::Softmax> state(heads);
+    for (std::size_t g = 0; g < heads; ++g) {
+      recall_detail::head_scores(all, query, s * group + static_cast<index_t>(g), dim, scale, scores);
+      state[g] = recall_detail::softmax_of(scores);
     }
-    recall_detail::exact_heads(all, query, s * group, group, dim, scale, out);
+    // Fetch in rounds of 1, 1, 2, 4, … spans in order of share, until the bound over the rest,
+    // against what is attended by then (the fetched tokens raise its sum), is at most epsilon:
+    // few round trips, and a needle whose span comes first ends recall after one.
+    const std::vector<std::size_t> order = recall_detail::spans_by_share(spans, bounds, state);
+    const std::vector<std::int32_t> live_positions = all.positions;
+    const std::span<const RecallStore::EntryRange> entries = store.entries(seq, layer);
+    std::vector<std::uint8_t> fetched(entries.size(), 0);
+    const std::size_t d = static_cast<std::size_t>(dim);
+    std::size_t taken = 0;
+    for (;;) {
+      const std::size_t needed = recall_detail::spans_needed(spans, bounds, order, state, report.epsilon);
+      if (needed <= taken) break;
+      const std::size_t target = std::min(needed, std::max<std::size_t>(1, 2 * taken));
+      StoredTokens written;
+      for (std::size_t i = taken; i < target; ++i) {
+        const UnreadSpan& span = spans[order[i]];
+        for (std::size_t entry = 0; entry < entries.size(); ++entry) {
+          if (fetched[entry] != 0 || entries[entry].first > span.last_position ||
+              entries[entry].second < span.first_position) {
+            continue;
+          }
+          store.read_entry(seq, layer, s, entry, written);
+          fetched[entry] = 1;
+        }
+      }
+      // The dropped ones (not live) join what is attended.
+      StoredTokens dropped;
+      for (std::size_t t = 0; t < written.positions.size(); ++t) {
+        if (std::binary_search(live_positions.begin(), live_positions.end(), written.positions[t])) continue;
+        for (StoredTokens* to : {&all, &dropped}) {
+          to->positions.push_back(written.positions[t]);
+          to->keys.insert(to->keys.end(), written.keys.begin() + t * d, written.keys.begin() + (t + 1) * d);
+          to->values.insert(to->values.end(), written.values.begin() + t * d, written.values.begin() + (t + 1) * d);
+        }
+        ++stats.tokens_recalled;
+      }
+      for (std::size_t g = 0; g < heads; ++g) {
+        recall_detail::head_scores(dropped, query, s * group + static_cast<index_t>(g), dim, scale, scores);
+        recall_detail::add_scores(state[g], scores);
+      }
+      taken = target;
+    }
+    const std::span<const std::size_t> rest = std::span<const std::size_t>(order).subspan(taken);
+    const std::vector<recall_detail::Softmax> attended =
+        recall_detail::exact_heads(all, query, s * group, group, dim, scale, out);
+    for (index_t g = 0; g < group; ++g) {
+      stats.max_mass_left = std::max(stats.max_mass_left,
+                                     recall_detail::mass_left(spans, bounds, rest, g, attended[static_cast<std::size_t>(g)]));
+    }
+    stats.spans_recalled += taken;
+    stats.spans_left += rest.size();
     ++stats.streams_recalled;
     ++recalled;
   }

@@ -1,10 +1,13 @@
 // Bound-driven recall: with every token written through to a tier, a question about a token the
 // evictor dropped makes the certified bound fire, and attend_with_recall's output equals exact
-// attention over every token written (an fp32 cache: to float rounding); a cache that dropped
-// nothing never recalls; a tier that lost an entry is reported, not papered over.
+// attention over every token written (an fp32 cache: to float rounding) up to what the bound
+// left out; only the unread spans the bound implicates are fetched; the report's spans cover
+// every dropped token; a cache that dropped nothing never recalls; a tier that lost an entry is
+// reported, not papered over.
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -56,6 +59,38 @@ double largest_error(std::span<const float> out, const std::vector<double>& refe
   return worst;
 }
 
+/// Tokens of `p` not live in stream `s` of the cache, each inside one of the report's spans of
+/// the stream, and the spans' counts adding up to them (every page read: nothing else is unread).
+template <class Cache>
+void check_spans_cover_dropped(const Cache& cache, SeqId seq, const AttendReport& report, index_t tokens) {
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    const StoredTokens live = cache.read_back(seq, 0, s);
+    const std::vector<UnreadSpan>& spans = report.unread_spans[static_cast<std::size_t>(s)];
+    index_t counted = 0;
+    for (const UnreadSpan& span : spans) counted += span.tokens;
+    CHECK(counted == tokens - live.size());
+    CHECK(report.unread_score_bounds[static_cast<std::size_t>(s)].size() ==
+          spans.size() * static_cast<std::size_t>(kShape.q_heads / kShape.kv_heads));
+    for (std::int32_t t = 0; t < tokens; ++t) {
+      if (std::binary_search(live.positions.begin(), live.positions.end(), t)) continue;
+      INFO("stream " << s << " dropped position " << t);
+      CHECK(std::any_of(spans.begin(), spans.end(),
+                        [&](const UnreadSpan& span) { return span.first_position <= t && t <= span.last_position; }));
+    }
+  }
+}
+
+/// The largest value norm of `p`.
+double largest_value_norm(const Prompt& p) {
+  double top = 0.0;
+  for (std::size_t row = 0; row < p.values.size() / kShape.head_dim; ++row) {
+    double sum = 0.0;
+    for (index_t c = 0; c < kShape.head_dim; ++c) sum += std::pow(p.values[row * kShape.head_dim + c], 2.0);
+    top = std::max(top, std::sqrt(sum));
+  }
+  return top;
+}
+
 select::Quest summaries_only() {
   select::Quest quest;
   quest.dense_layers = std::numeric_limits<index_t>::max();
@@ -93,9 +128,13 @@ TEST_CASE("a dropped token the question needs is recalled from the tier, exactly
   report.epsilon = 0.01;
   const index_t recalled = tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report);
   CHECK(report.fired);
+  check_spans_cover_dropped(cache, seq, report, kTokens);
   CHECK(recalled == kShape.kv_heads);
-  CHECK(largest_error(with, exact) < 1e-5);
   const tier::RecallStats& stats = store.stats();
+  // Random keys give every span's box a bound near the needle's score: every span is fetched.
+  CHECK(stats.spans_left == 0);
+  CHECK(stats.max_mass_left == 0.0);
+  CHECK(largest_error(with, exact) < 1e-5);
   CHECK(stats.attends == 1);
   CHECK(stats.recalls == 1);
   CHECK(stats.streams_recalled == 2);
@@ -112,6 +151,98 @@ TEST_CASE("a dropped token the question needs is recalled from the tier, exactly
   SECTION("forget removes the sequence's entries") {
     store.forget(seq);
     CHECK(host.used_bytes() == 0);
+  }
+}
+
+TEST_CASE("recall fetches only the spans the bound implicates", "[tier][recall]") {
+  // Keys near one of 8 topic channels (64 tokens per topic) and a needle on channel 31 that no
+  // topic uses: a question on channel 31 bounds every other span's score near 0, so once the
+  // needle's span is back, the rest is certified below epsilon without being fetched.
+  using Cache = KVCache<layout::GQA, quant::Float<float>, evict::StreamingLLM<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  Cache cache(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{64}}, summaries_only());
+  Prompt p = random_prompt(5);
+  const index_t d = kShape.head_dim, needle = 250;
+  for (std::size_t row = 0; row < p.keys.size() / d; ++row) {
+    const auto t = static_cast<index_t>(row / kShape.kv_heads);
+    float* key = &p.keys[row * d];
+    for (index_t c = 0; c < d; ++c) key[c] *= 0.05f;
+    key[t == needle ? 31 : (t / 64) % 8] += 3.0f;
+  }
+  const SeqId seq = cache.add_sequence();
+  cache.prefill(seq, 0, std::span<const float>(p.keys), std::span<const float>(p.values));
+  tier::HostTier host(64 << 20);
+  tier::RecallStore store(host, "topics", 50);
+  store.write(seq, 0, kShape.kv_heads, d, p.keys, p.values, p.positions);
+
+  std::vector<float> question(static_cast<std::size_t>(kShape.q_heads) * d, 0.0f);
+  for (index_t h = 0; h < kShape.q_heads; ++h) question[static_cast<std::size_t>(h) * d + 31] = 28.0f;  // score ~15
+  const float scale = 1.0f / std::sqrt(float(d));
+  const std::vector<double> exact = eval::exact_attention(p.keys, p.values, kShape.kv_heads, d, question, scale);
+  std::vector<float> without(question.size()), with(question.size());
+  cache.attend(seq, 0, std::span<const float>(question), std::span<float>(without), scale);
+  REQUIRE(largest_error(without, exact) > 0.1);
+
+  AttendReport report;
+  report.epsilon = 0.01;
+  CHECK(tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report) == kShape.kv_heads);
+  check_spans_cover_dropped(cache, seq, report, kTokens);
+  const tier::RecallStats& stats = store.stats();
+  CHECK(stats.spans_left > 0);
+  CHECK(stats.bytes_fetched <= stats.bytes_written / 4);
+  CHECK(stats.max_mass_left <= report.epsilon);
+  // What was left out moves each output by at most 2 · mass · max‖v‖ (unread_bound.hpp).
+  CHECK(largest_error(with, exact) <= 2.0 * stats.max_mass_left * largest_value_norm(p) + 1e-5);
+}
+
+TEST_CASE("the report's unread spans cover what H2O dropped from pages and compacted away", "[tier][recall]") {
+  using Cache = KVCache<layout::GQA, quant::Float<half>, evict::H2O<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  Cache cache(kShape, config, {}, {}, evict::H2O<>{evict::Uniform{96}}, summaries_only());
+  const Prompt p = random_prompt(6);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  std::vector<float> out(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
+  for (index_t t = 0; t < kTokens; ++t) {
+    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
+                 std::span<const float>(p.values.data() + t * row, row), t);
+    cache.attend(seq, 0, std::span<const float>(question_for(p, t / 2, 1.0f)), std::span<float>(out), scale);
+  }
+  AttendReport report;
+  cache.attend(seq, 0, std::span<const float>(question_for(p, 7, 1.0f)), std::span<float>(out), scale, &report);
+  check_spans_cover_dropped(cache, seq, report, kTokens);
+}
+
+TEST_CASE("recall fetches the fewest spans in order of share", "[tier][recall]") {
+  // Random spans, bounds and attended sums: the k spans_needed returns leaves every head at most
+  // epsilon and k - 1 would not.
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> uniform(-4.0f, 4.0f);
+  for (int trial = 0; trial < 50; ++trial) {
+    const std::size_t count = 1 + rng() % 40, heads = 1 + rng() % 4;
+    std::vector<UnreadSpan> spans(count);
+    for (UnreadSpan& span : spans) span.tokens = 1 + static_cast<index_t>(rng() % 64);
+    std::vector<float> bounds(count * heads);
+    for (float& u : bounds) u = uniform(rng);
+    std::vector<tier::recall_detail::Softmax> attended(heads);
+    for (auto& a : attended) a = {uniform(rng), 1.0 + (rng() % 1000)};
+    const double epsilon = std::pow(10.0, -1.0 - trial % 4);
+    const std::vector<std::size_t> order = tier::recall_detail::spans_by_share(spans, bounds, attended);
+    const std::size_t k = tier::recall_detail::spans_needed(spans, bounds, order, attended, epsilon);
+    const auto worst = [&](std::size_t first) {
+      double top = 0.0;
+      for (std::size_t h = 0; h < heads; ++h) {
+        top = std::max(top, tier::recall_detail::mass_left(spans, bounds, std::span<const std::size_t>(order).subspan(first),
+                                                           static_cast<index_t>(h), attended[h]));
+      }
+      return top;
+    };
+    INFO("trial " << trial << ": " << count << " spans, k = " << k);
+    CHECK(worst(k) <= epsilon);
+    if (k > 0) CHECK(worst(k - 1) > epsilon);
   }
 }
 
