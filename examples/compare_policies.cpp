@@ -12,8 +12,9 @@
 /// workload's last 32 prompt queries as their observation window, are charged their memory after
 /// eviction over every context token, run on stories260K at a budget scaled to its context
 /// (--model-budget), and with --pinned also on the needle pinned (EVAL.md §2); on the needle they
-/// also run with every token written through to a tier and recalled when the certified bound
-/// fires (kvpack/tier/recall.hpp; --no-recall-tier skips it).
+/// also run with every token written through to a tier, and again with only what they drop
+/// written back, recalled when the certified bound fires (kvpack/tier/recall.hpp;
+/// --no-recall-tier skips both).
 ///
 /// Usage: compare_policies --help
 
@@ -100,7 +101,8 @@ void print_usage(std::FILE* to) {
              "  --eviction-matrix    add every evictor x codec pair (4 evictors x f16, q8_0, q4_0, kivi-4)\n"
              "  --pinned             also run the evictors on the needle pinned (first needle context)\n"
              "  --no-recall-tier     skip the evictors on the needle with every token written through to a\n"
-             "                       tier and recalled when the certified bound fires (first needle context)\n"
+             "                       tier (and, again, with what they drop written back) and recalled when\n"
+             "                       the certified bound fires (first needle context)\n"
              "  --budget N           evictors' tokens per KV stream on the synthetic layer and the needle\n"
              "                       (default 512; 1 to 262144)\n"
              "  --model-budget N     evictors' tokens per KV stream on stories260K (default 64; 1 to 512)\n"
@@ -183,6 +185,7 @@ struct Row {
   eval::NeedleReport needle;
   std::optional<eval::NeedleReport> pinned_needle;  // evictors: the needle inside a pinned span
   std::optional<eval::NeedleReport> recall_needle;  // evictors: evict-to-tier + bound-driven recall
+  std::optional<eval::NeedleReport> demoted_needle;  // the same with write-back (demotion) to the tier
   std::optional<llama2c::PolicyResult> model;  // empty: no model; not_applicable says why it did not run
   index_t model_budget_tokens = 0;  // evictors: tokens per KV stream on the real model (--model-budget)
   std::optional<llama2c::PrefilledResult> model_prefilled;  // evictors: the real model read with a prefill
@@ -311,22 +314,26 @@ void print_eviction(const Options& o, index_t tokens, const std::vector<Row>& ro
       }
       fmt::print("  {:<20} needle retrieved {}   pinned: {}\n", "", retrieved,
                  pinned.empty() ? "not run (--pinned)" : pinned);
-      if (r.recall_needle) {
-        const index_t context = o.needle_contexts.front();
+      const index_t context = o.needle_contexts.front();
+      const auto print_recall = [&](const std::optional<eval::NeedleReport>& report, const char* how) {
+        if (!report) return;
         int questions = 0, recalls = 0;
         std::uint64_t bytes = 0, written = 0;
-        for (const eval::NeedleCell& c : r.recall_needle->cells) {
+        for (const eval::NeedleCell& c : report->cells) {
           ++questions;
           recalls += c.tier_recalls;
           bytes += c.bytes_fetched;
           written += c.bytes_written;
         }
-        fmt::print("  {:<20} with recall from a tier: recall {} (without: {}); recalled on {} of {} questions, "
-                   "{:.2f} MiB fetched per recall ({:.1f} % of what was written)\n",
-                   "", r.recall_needle->compact(context), r.needle.compact(context), recalls, questions,
+        fmt::print("  {:<20} {}: recall {} (without: {}); recalled on {} of {} questions; {:.2f} MiB written per "
+                   "question, {:.2f} MiB fetched per recall ({:.1f} % of what was written)\n",
+                   "", how, report->compact(context), r.needle.compact(context), recalls, questions,
+                   static_cast<double>(written) / questions / (1 << 20),
                    recalls == 0 ? 0.0 : static_cast<double>(bytes) / recalls / (1 << 20),
                    written == 0 ? 0.0 : 100.0 * static_cast<double>(bytes) / static_cast<double>(written));
-      }
+      };
+      print_recall(r.recall_needle, "write-through + recall");
+      print_recall(r.demoted_needle, "write-back + recall   ");
     }
     if (r.model && r.model->not_applicable.empty() && r.model_budget_tokens > 0 && model_tokens) {
       fmt::print("  {:<20} stories260K at {} tokens = {} (its context), {} (its longest sequence): kept {:.1f} % of "
@@ -460,17 +467,18 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
     };
     const std::string needle = cells(r.needle);
     const std::string pinned = r.pinned_needle ? "[" + cells(*r.pinned_needle) + "]" : "null";
-    std::string recall = "null";
-    if (r.recall_needle) {
-      recall.clear();
-      for (const eval::NeedleCell& c : r.recall_needle->cells) {
-        recall += fmt::format("{}{{\"depth\": {:.2f}, \"recall\": {:.4f}, \"recalled_from_tier\": {}, "
-                              "\"bytes_fetched\": {}, \"bytes_written\": {}}}",
-                              recall.empty() ? "[" : ", ", c.depth, c.recall(), c.tier_recalls, c.bytes_fetched,
-                              c.bytes_written);
+    const auto recall_cells = [](const std::optional<eval::NeedleReport>& report) {
+      if (!report) return std::string("null");
+      std::string out;
+      for (const eval::NeedleCell& c : report->cells) {
+        out += fmt::format("{}{{\"depth\": {:.2f}, \"recall\": {:.4f}, \"recalled_from_tier\": {}, "
+                           "\"bytes_fetched\": {}, \"bytes_written\": {}}}",
+                           out.empty() ? "[" : ", ", c.depth, c.recall(), c.tier_recalls, c.bytes_fetched,
+                           c.bytes_written);
       }
-      recall += "]";
-    }
+      return out + "]";
+    };
+    const std::string recall = recall_cells(r.recall_needle), demoted = recall_cells(r.demoted_needle);
     const eval::DetectorRates d = r.needle.detector();
     const auto rate = [](double x) { return std::isnan(x) ? std::string("null") : fmt::format("{:.4f}", x); };
     const std::string detector =
@@ -496,13 +504,13 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
                "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
                "\"needle_recall\": {:.4f}, \"needle_retrieved\": {:.4f}, \"needle\": [{}], \"needle_detector\": {}, "
                "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"needle_pinned\": {}, \"needle_recall_from_tier\": {}, "
-               "\"real_model\": {}, "
+               "\"needle_recall_by_demotion\": {}, \"real_model\": {}, "
                "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
                json_string(r.policy), json_string(r.description),
                r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element, r.payload_bits,
                r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values, r.error.mean,
                r.error.p99, r.needle.recall(), r.needle.retrieval(), needle, detector,
-               r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, model,
+               r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, demoted, model,
                r.decode_gbps, r.seconds_per_attend, r.vs_f16,
                i + 1 < rows.size() ? "," : "");
   }
@@ -688,6 +696,14 @@ int run(const Options& o) {
                                              [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
       for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].recall_needle = recalled[e];
       end_phase("needle, recall");
+      // Write-back: only what the evictors drop goes to the tier, when they drop it.
+      needle.recall_by_demotion = true;
+      const eval::NeedleSuite demoted_suite(needle);
+      examples::ProgressBar demoted_trials("needle, write-back", static_cast<int>(needle.depths.size()));
+      const auto demoted = demoted_suite.run(evictors, {}, [&](int done, int) { demoted_trials.update(done); },
+                                             [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
+      for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].demoted_needle = demoted[e];
+      end_phase("needle, write-back");
     }
   }
 

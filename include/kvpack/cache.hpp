@@ -378,8 +378,7 @@ class KVCache {
         }
       }
       // SnapKV decides only when the window scored the tokens; H2O and StreamingLLM always.
-      evict_layer(sequence, state, layer,
-                  !uses_observation_only() || !observation_queries.empty());
+      evict_layer(seq, sequence, state, layer, !uses_observation_only() || !observation_queries.empty());
     }
   }
 
@@ -407,7 +406,7 @@ class KVCache {
                  detail::message("append: position ", position, " exceeds ", max_position(), max_position_reason()));
     write_tokens(state, layer, as_floats(key, 0), as_floats(value, 1), 1,
                  static_cast<std::int32_t>(position), "append");
-    if constexpr (kEvicts) evict_layer(sequence, state, layer, Evictor::kEvictsOnAppend);
+    if constexpr (kEvicts) evict_layer(seq, sequence, state, layer, Evictor::kEvictsOnAppend);
   }
 
   /// Appends `pages` whole pages per KV stream, encoded elsewhere (a page file, a tier), to one
@@ -519,6 +518,32 @@ class KVCache {
     KVPACK_CHECK(first >= 0 && first <= last, kInvalidArgument,
                  detail::message("pin: need 0 <= first <= last, got [", first, ", ", last, "]"));
     sequence.pins.emplace_back(first, last);
+  }
+
+  /// Demotes what the evictor drops (write-back): before any token leaves, `sink` receives the
+  /// tokens of one (sequence, layer, stream) that are about to go, decoded (DroppedTokens). A
+  /// sink that throws keeps them alive (counted in demotions_refused()): the stream stays over
+  /// its budget until the evictor decides again and the sink takes them (at the next append for
+  /// StreamingLLM and H2O; SnapKV decides only at a prefill with observation queries), so
+  /// nothing is dropped that was not demoted. An empty sink turns demotion off. Set it between
+  /// writes, not concurrently with them. The sink runs inside the write (prefill, append) that
+  /// evicts, on its thread: writes to different sequences from several threads call it
+  /// concurrently, and it must not write to this cache. tier::RecallStore's demote is one (not
+  /// thread-safe: one store per writing thread, or a lock).
+  void set_demotion_sink(DemotionSink sink)
+    requires kEvicts
+  {
+    demotion_sink_ = std::move(sink);
+  }
+  /// Evictions called off because the demotion sink threw (their tokens stayed in the cache).
+  [[nodiscard]] std::uint64_t demotions_refused() const noexcept {
+    return demotions_refused_.load(std::memory_order_relaxed);
+  }
+
+  /// The layer whose writes `layer` reads: itself, or for layout::CrossLayer the first layer of
+  /// its group (what DroppedTokens and tier::attend_with_recall name).
+  [[nodiscard]] index_t writing_layer(index_t layer) const {
+    return layout::writer_of(layout_, shape_, stored_layer(layer, "writing_layer"));
   }
 
   /// Tokens of one KV stream that an evictor has not dropped (length() counts every token ever
@@ -1677,20 +1702,20 @@ class KVCache {
 
   /// `choose`: whether the evictor decides now (else only pages left empty by earlier decisions
   /// are freed: tail rows dropped before they were encoded into a summarized page).
-  void evict_layer(const Sequence& sequence, LayerState& state, index_t layer, bool choose = true) noexcept {
+  void evict_layer(SeqId seq, const Sequence& sequence, LayerState& state, index_t layer, bool choose = true) noexcept {
     for (index_t s = 0; s < static_cast<index_t>(state.eviction.size()); ++s) {
       try {
         StreamEviction& stream = state.eviction[s];
         ensure_ghosts(stream);
         if (kSummarizes && stream.dead_page_slots >= config_.page_size) remove_empty_pages(stream, state.tables[s]);
-        if (choose) evict_stream(sequence, state, layer, s);
+        if (choose) evict_stream(seq, sequence, state, layer, s);
       } catch (const std::bad_alloc&) {
       } catch (const Error&) {  // OutOfPages from a copy-on-write
       }
     }
   }
 
-  void evict_stream(const Sequence& sequence, LayerState& state, index_t layer, index_t s) {
+  void evict_stream(SeqId seq, const Sequence& sequence, LayerState& state, index_t layer, index_t s) {
     StreamEviction& stream = state.eviction[s];
     // The context is every token written to the layer (what Pyramid's schedule is defined on),
     // not what is left of it.
@@ -1731,10 +1756,75 @@ class KVCache {
     const evict::StreamTokens tokens{positions, scores, pinned, std::max<index_t>(0, budget - state.prefix_count),
                                      state.prefix_count};
     evictor_.choose(tokens, keep);
-    drop_tokens(state, s, refs, keep);
+    if (demotion_sink_) {
+      // Own copies: a sink that writes to another cache on this thread reuses the thread_locals.
+      const std::vector<SlotRef> chosen(refs);
+      const std::vector<std::uint8_t> kept(keep);
+      if (!demote(seq, state, layer, s, chosen, kept)) {
+        demotions_refused_.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      drop_tokens(state, s, chosen, kept);
+    } else {
+      drop_tokens(state, s, refs, keep);
+    }
     if (stream.dead_page_slots >= config_.page_size &&
         2 * static_cast<std::size_t>(stream.dead_page_slots) >= table.size() * config_.page_size) {
       compact_stream(state, layer, s);
+    }
+  }
+
+  /// Hands the tokens of `refs` whose keep flag is 0 to the demotion sink, decoded as
+  /// stored_tokens decodes them; false when the sink (or decoding) threw, so that they stay.
+  bool demote(SeqId seq, const LayerState& state, index_t layer, index_t s, std::span<const SlotRef> refs,
+              std::span<const std::uint8_t> keep) noexcept {
+    try {
+      StoredTokens dropped;
+      dropped.key_dim = key_dim_;
+      dropped.value_dim = value_dim_;
+      const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
+      const float* rows_k = state.tail_keys.data() + static_cast<std::size_t>(s) * tail_capacity() * key_dim_;
+      const float* rows_v = state.tail_values.data() + static_cast<std::size_t>(s) * tail_capacity() * value_dim_;
+      std::vector<float> keys, values;
+      index_t decoded = -1;  // the page whose rows keys and values hold
+      for (std::size_t j = 0; j < refs.size(); ++j) {
+        if (keep[j] != 0) continue;
+        const SlotRef ref = refs[j];
+        const float* key = rows_k + static_cast<std::size_t>(ref.slot) * key_dim_;
+        const float* value = rows_v + static_cast<std::size_t>(ref.slot) * value_dim_;
+        std::int32_t position = 0;
+        if (ref.page < 0) {
+          position = state.tail_positions[ref.slot];
+        } else {
+          const PageId id = state.tables[s][ref.page];
+          if (decoded != ref.page) {
+            keys.resize(static_cast<std::size_t>(config_.page_size) * key_dim_);
+            values.resize(static_cast<std::size_t>(config_.page_size) * value_dim_);
+            quantizer_.key.decode(key_geometry(), pool_.payload(id), key_params_[p], keys.data());
+            quantizer_.value.decode(value_geometry(), pool_.payload(id) + value_plane_offset(), value_params_[p],
+                                    values.data());
+            decoded = ref.page;
+          }
+          key = keys.data() + static_cast<std::size_t>(ref.slot) * key_dim_;
+          value = values.data() + static_cast<std::size_t>(ref.slot) * value_dim_;
+          std::memcpy(&position, pool_.metadata(id) + static_cast<std::size_t>(ref.slot) * sizeof(position),
+                      sizeof(position));
+        }
+        dropped.positions.push_back(position);
+        dropped.keys.insert(dropped.keys.end(), key, key + key_dim_);
+        dropped.values.insert(dropped.values.end(), value, value + value_dim_);
+      }
+      if (dropped.positions.empty()) return true;
+      if (config_.key_rope) {
+        for (index_t i = 0; i < dropped.size(); ++i) {
+          apply_rope_reference(*config_.key_rope, key_dim_, dropped.positions[i],
+                               dropped.keys.data() + static_cast<std::size_t>(i) * key_dim_);
+        }
+      }
+      demotion_sink_(DroppedTokens{seq, layout::writer_of(layout_, shape_, layer), s, dropped});
+      return true;
+    } catch (...) {  // the sink's failure, or no memory to decode: keep the tokens
+      return false;
     }
   }
 
@@ -2366,6 +2456,9 @@ class KVCache {
   mutable std::shared_mutex sequences_mutex_;
   std::unordered_map<SeqId, std::unique_ptr<Sequence>> sequences_;
   SeqId next_id_ = 1;
+
+  DemotionSink demotion_sink_;  ///< empty unless set_demotion_sink
+  std::atomic<std::uint64_t> demotions_refused_{0};
 
   std::atomic<std::size_t> tail_bytes_{0};
   std::atomic<std::size_t> table_bytes_{0};

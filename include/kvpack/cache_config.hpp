@@ -143,4 +143,19 @@ struct StoredTokens {
   [[nodiscard]] index_t size() const noexcept { return static_cast<index_t>(positions.size()); }
 };
 
+/// Tokens an evictor is about to drop from one KV stream, handed to a DemotionSink before they
+/// are destroyed: decoded by the codec as read_back decodes them, keys after RoPE at their own
+/// positions (also where StreamingLLM re-rotates live keys by their index in the cache).
+struct DroppedTokens {
+  SeqId seq = 0;
+  index_t layer = 0;   ///< the layer that wrote them (KVCache::writing_layer)
+  index_t stream = 0;  ///< KV stream
+  const StoredTokens& tokens;
+};
+
+/// Where an evicting cache demotes what it drops (KVCache::set_demotion_sink; write-back, as
+/// opposed to writing every token through). A sink that throws keeps the tokens in the cache:
+/// nothing is dropped that was not demoted, and the next write tries again.
+using DemotionSink = std::function<void(const DroppedTokens&)>;
+
 }  // namespace kvpack::inline v0

@@ -52,6 +52,10 @@ struct NeedleSpec {
   /// read can recall; the others run as without it. The detector's output is then used, not
   /// measured: cells count `fired` (recall ran) but no hits, misses or false alarms.
   bool recall_from_tier = false;
+  /// With recall_from_tier: write-back instead of write-through. The cache demotes what its
+  /// evictor drops when it drops it (KVCache::set_demotion_sink, tier::RecallStore::demote), so
+  /// only those tokens are written, as the cache decodes them.
+  bool recall_by_demotion = false;
 
   /// The unread mass above which the detector (KVCache's AttendReport) is said to fire for the
   /// question: tolerance / (1 + tolerance), 1/11 at the default 10 %. Why: every value but the
@@ -434,8 +438,11 @@ class NeedleSuite {
       // Entries of one page each: recall fetches the spans the bound implicates, a page at most.
       store.emplace(*host, "needle", config.page_size);
     }
+    if (store && spec_.recall_by_demotion) {
+      cache->set_demotion_sink([&store](const DroppedTokens& dropped) { store->demote(dropped); });
+    }
     const auto write_through = [&](index_t first, index_t count) {
-      if (!store) return;
+      if (!store || spec_.recall_by_demotion) return;
       std::vector<std::int64_t> positions(static_cast<std::size_t>(count));
       for (index_t i = 0; i < count; ++i) positions[static_cast<std::size_t>(i)] = first + i;
       const std::size_t begin = kv.offset(first, 0), end = kv.offset(first + count, 0);

@@ -53,6 +53,10 @@ class AnyCache {
   virtual void release(SeqId seq) = 0;
   /// Positions [first, last] of `seq` that no evictor drops (a no-op for caches that keep all).
   virtual void pin(SeqId seq, std::int64_t first, std::int64_t last) = 0;
+  /// KVCache::set_demotion_sink; false (and nothing set) for caches that drop nothing.
+  virtual bool set_demotion_sink(DemotionSink /*sink*/) { return false; }
+  /// KVCache::writing_layer.
+  [[nodiscard]] virtual index_t writing_layer(index_t layer) const { return layer; }
   [[nodiscard]] virtual index_t length(SeqId seq, index_t layer) const = 0;
   /// Tokens of one KV stream not evicted; length() for caches that keep all.
   [[nodiscard]] virtual index_t live_tokens(SeqId seq, index_t layer, index_t stream) const = 0;
@@ -99,6 +103,14 @@ class CacheAdapter final : public AnyCache {
   [[nodiscard]] SeqId fork(SeqId seq) override { return cache_.fork(seq); }
   void release(SeqId seq) override { cache_.release(seq); }
   void pin(SeqId seq, std::int64_t first, std::int64_t last) override { cache_.pin(seq, first, last); }
+  [[nodiscard]] index_t writing_layer(index_t layer) const override { return cache_.writing_layer(layer); }
+  bool set_demotion_sink(DemotionSink sink) override {
+    if constexpr (Cache::evictor_type::kDropsTokens) {
+      cache_.set_demotion_sink(std::move(sink));
+      return true;
+    }
+    return false;
+  }
   [[nodiscard]] index_t length(SeqId seq, index_t layer) const override { return cache_.length(seq, layer); }
   [[nodiscard]] index_t live_tokens(SeqId seq, index_t layer, index_t stream) const override {
     return cache_.live_tokens(seq, layer, stream);

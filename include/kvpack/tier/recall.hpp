@@ -1,10 +1,14 @@
 #pragma once
 /// \file recall.hpp
-/// \brief Closing the loop on eviction (issue 9, part 3): every token's K/V is also written to a
-///        tier (write-through), so what an evictor drops is demoted, not destroyed; when attend's
-///        certified bound says the tokens it did not read may hold more than ε of some head's
-///        attention, those tokens are fetched back from the tier and that head's output is
-///        recomputed exactly over what the cache holds plus what was recalled.
+/// \brief Closing the loop on eviction (issue 9, part 3): what an evictor drops is demoted to a
+///        tier, not destroyed; when attend's certified bound says the tokens it did not read may
+///        hold more than ε of some head's attention, those tokens are fetched back from the tier
+///        and that head's output is recomputed exactly over what the cache holds plus what was
+///        recalled.
+///
+/// Two ways into the tier: write-through (RecallStore::write, every token as the engine produces
+/// it, fp32 as given) and write-back (RecallStore::demote as the cache's DemotionSink: only the
+/// tokens an evictor drops, when it drops them, as the cache decodes them). A layer uses one.
 ///
 /// Synchronous in this version: the fetch happens inside attend_with_recall. A KV stream is
 /// recalled only when one of its query heads fired, so a cache whose eviction was harmless pays
@@ -12,7 +16,7 @@
 /// fetched (AttendReport::unread_spans: the pages not read, the summaries of freed pages, dead
 /// tail rows): the fewest spans, highest bound first, without which every head's bound over the
 /// rest is at most ε. Its heads are recomputed over the live tokens (as the cache decodes them)
-/// plus the dropped tokens fetched (as written, fp32); what stays unread is certified ≤ ε.
+/// plus the dropped tokens fetched (as stored); what stays unread is certified ≤ ε.
 ///
 /// Keys are written as attention reads them: after RoPE, at the tokens' own positions (what
 /// KVCache::read_back returns). A cache that stores keys before RoPE is fine (read_back rotates
@@ -21,7 +25,7 @@
 ///
 /// A RecallStore is not thread-safe: one per engine thread, or a lock around it.
 ///
-/// Entries, one per write call and (layer, stream), chunked to at most `chunk_tokens`:
+/// Entries, one per write or demote call and (layer, stream), chunked to at most `chunk_tokens`:
 ///   u32 tokens · u32 dim · i32 positions[tokens] · f32 keys[tokens][dim] · f32 values[tokens][dim]
 /// under "<name>-s<seq>-l<layer>-h<stream>-c<chunk>".
 
@@ -32,6 +36,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -55,8 +60,10 @@ struct RecallStats {
   std::uint64_t spans_left = 0;       ///< unread spans of recalled streams left in the tier
   /// The largest certified unread mass a recalled head was left with (≤ the report's epsilon).
   double max_mass_left = 0.0;
-  std::uint64_t bytes_written = 0;    ///< entry bytes written through to the tier
+  std::uint64_t bytes_written = 0;    ///< entry bytes written to the tier (through or demoted)
   std::uint64_t bytes_fetched = 0;    ///< entry bytes read back from the tier
+  std::uint64_t tokens_demoted = 0;   ///< tokens written by demote
+  std::uint64_t demotions_failed = 0; ///< demote calls the tier refused (the cache kept the tokens)
 };
 
 class RecallStore {
@@ -72,11 +79,12 @@ class RecallStore {
     KVPACK_CHECK(chunk_tokens > 0, kInvalidArgument, "RecallStore: chunk_tokens must be > 0");
   }
 
-  /// Writes tokens of (seq, layer): rows [T][streams][dim] in KVCache's input layout, keys after
-  /// RoPE, at positions positions[0..T) (increasing, after any written before).
-  /// \throws kvpack::Error kInvalidArgument for inconsistent sizes or positions; as Tier::put.
-  ///         The store records the write only once every entry is in the tier, so a failed
-  ///         write can be retried as it was (its entries are overwritten).
+  /// Write-through: writes tokens of (seq, layer), rows [T][streams][dim] in KVCache's input
+  /// layout, keys after RoPE, at positions positions[0..T) (increasing, after any written before).
+  /// \throws kvpack::Error kInvalidArgument for inconsistent sizes or positions, or a layer
+  ///         whose tokens are demoted; as Tier::put. The store records the write only once every
+  ///         entry is in the tier, so a failed write can be retried as it was (its entries are
+  ///         overwritten).
   void write(SeqId seq, index_t layer, index_t streams, index_t dim, std::span<const float> keys,
              std::span<const float> values, std::span<const std::int64_t> positions) {
     const std::size_t row = static_cast<std::size_t>(streams) * static_cast<std::size_t>(dim);
@@ -84,9 +92,12 @@ class RecallStore {
                  kInvalidArgument,
                  detail::message("RecallStore::write: ", keys.size(), " key and ", values.size(), " value floats for ",
                                  positions.size(), " tokens of ", streams, " streams x ", dim));
-    const auto found = written_.find({seq, layer});
-    Written written = found != written_.end() ? found->second : Written{streams, dim, {}, -1};
-    KVPACK_CHECK(written.streams == streams && written.dim == dim, kInvalidArgument,
+    const auto found = layers_.find({seq, layer});
+    Layer written = found != layers_.end() ? found->second : Layer{Mode::kThrough, dim, -1, std::vector<Entries>(static_cast<std::size_t>(streams))};
+    KVPACK_CHECK(written.mode == Mode::kThrough, kInvalidArgument,
+                 "RecallStore::write: this layer's dropped tokens are demoted; a store either writes a layer "
+                 "through or takes its demotions");
+    KVPACK_CHECK(written.streams.size() == static_cast<std::size_t>(streams) && written.dim == dim, kInvalidArgument,
                  "RecallStore::write: streams or dim differ from an earlier write of this layer");
     for (std::size_t i = 0; i < positions.size(); ++i) {
       const std::int64_t previous = i == 0 ? written.last_position : positions[i - 1];
@@ -96,63 +107,128 @@ class RecallStore {
     std::uint64_t bytes = 0;
     for (std::size_t first = 0; first < positions.size(); first += static_cast<std::size_t>(chunk_tokens_)) {
       const std::size_t n = std::min(positions.size() - first, static_cast<std::size_t>(chunk_tokens_));
+      const EntryRange range{static_cast<std::int32_t>(positions[first]), static_cast<std::int32_t>(positions[first + n - 1])};
       for (index_t s = 0; s < streams; ++s) {
-        const std::vector<std::byte> entry = encode(keys, values, positions, first, n, s, streams, dim);
-        tier_.put(key_of(seq, layer, s, static_cast<std::uint32_t>(written.chunks.size())), entry);
+        Entries& entries = written.streams[static_cast<std::size_t>(s)];
+        const std::vector<std::byte> entry =
+            encode(n, dim, [&](std::size_t i) { return static_cast<std::int32_t>(positions[first + i]); },
+                   [&](std::size_t i, bool value) {
+                     return (value ? values : keys).data() + (first + i) * row + static_cast<std::size_t>(s) * dim;
+                   });
+        tier_.put(key_of(seq, layer, s, entries.size()), entry);
+        entries.push_back(range);
         bytes += entry.size();
       }
-      written.chunks.push_back({static_cast<std::int32_t>(positions[first]), static_cast<std::int32_t>(positions[first + n - 1])});
       written.last_position = positions[first + n - 1];
     }
-    written_[{seq, layer}] = written;
+    layers_[{seq, layer}] = std::move(written);
     stats_.bytes_written += bytes;
   }
 
-  /// First and last position of a written entry (one chunk of one write).
+  /// Write-back: stores the tokens an evicting KVCache is about to drop (its DemotionSink:
+  /// `cache.set_demotion_sink([&](const DroppedTokens& d) { store.demote(d); })`), so that only
+  /// what leaves the cache is written, at the cache's precision.
+  /// \throws kvpack::Error kInvalidArgument for a layer written through or dims that differ from
+  ///         an earlier demotion; as Tier::put (counted in stats().demotions_failed; the cache
+  ///         then keeps the tokens, see KVCache::set_demotion_sink). Recorded only once every
+  ///         entry is in the tier; the entries of a failed call are erased again.
+  void demote(const DroppedTokens& dropped) {
+    const StoredTokens& tokens = dropped.tokens;
+    const std::size_t n = tokens.positions.size(), d = static_cast<std::size_t>(tokens.key_dim);
+    KVPACK_CHECK(tokens.key_dim > 0 && tokens.key_dim == tokens.value_dim && dropped.stream >= 0 &&
+                     tokens.keys.size() == n * d && tokens.values.size() == n * d,
+                 kInvalidArgument, "RecallStore::demote: tokens' dims or sizes are inconsistent");
+    for (std::size_t i = 1; i < n; ++i) {
+      KVPACK_CHECK(tokens.positions[i] > tokens.positions[i - 1], kInvalidArgument,
+                   "RecallStore::demote: positions must increase");
+    }
+    const auto found = layers_.find({dropped.seq, dropped.layer});
+    KVPACK_CHECK(found == layers_.end() || (found->second.mode == Mode::kDemoted && found->second.dim == tokens.key_dim),
+                 kInvalidArgument, "RecallStore::demote: this layer is written through, or was demoted with another dim");
+    Layer& layer = found != layers_.end() ? found->second
+                                          : layers_.emplace(std::pair{dropped.seq, dropped.layer},
+                                                            Layer{Mode::kDemoted, tokens.key_dim, -1, {}})
+                                                .first->second;
+    if (layer.streams.size() <= static_cast<std::size_t>(dropped.stream)) layer.streams.resize(static_cast<std::size_t>(dropped.stream) + 1);
+    Entries& entries = layer.streams[static_cast<std::size_t>(dropped.stream)];
+    const std::size_t before = entries.size();
+    std::uint64_t bytes = 0;
+    try {
+      for (std::size_t first = 0; first < n; first += static_cast<std::size_t>(chunk_tokens_)) {
+        const std::size_t count = std::min(n - first, static_cast<std::size_t>(chunk_tokens_));
+        const std::vector<std::byte> entry =
+            encode(count, tokens.key_dim, [&](std::size_t i) { return tokens.positions[first + i]; },
+                   [&](std::size_t i, bool value) { return (value ? tokens.values : tokens.keys).data() + (first + i) * d; });
+        tier_.put(key_of(dropped.seq, dropped.layer, dropped.stream, entries.size()), entry);
+        entries.push_back({tokens.positions[first], tokens.positions[first + count - 1]});
+        bytes += entry.size();
+      }
+    } catch (...) {
+      // Take back what was put (best effort: the next demotion overwrites those keys anyway).
+      for (std::size_t entry = before; entry < entries.size(); ++entry) {
+        try {
+          (void)tier_.erase(key_of(dropped.seq, dropped.layer, dropped.stream, entry));
+        } catch (...) {
+        }
+      }
+      entries.resize(before);
+      if (found == layers_.end()) layers_.erase({dropped.seq, dropped.layer});  // as if never called
+      ++stats_.demotions_failed;
+      throw;
+    }
+    stats_.bytes_written += bytes;
+    stats_.tokens_demoted += n;
+  }
+
+  /// First and last position of an entry's tokens (one chunk of one write or demotion; a
+  /// demoted entry may skip positions in between).
   using EntryRange = std::pair<std::int32_t, std::int32_t>;
 
-  /// The entries written for (seq, layer), in write order (so in position order); every stream
-  /// has the same.
-  [[nodiscard]] std::span<const EntryRange> entries(SeqId seq, index_t layer) const {
-    const auto found = written_.find({seq, layer});
-    return found == written_.end() ? std::span<const EntryRange>{} : std::span<const EntryRange>(found->second.chunks);
+  /// The entries held for (seq, layer, stream), in the order written.
+  [[nodiscard]] std::span<const EntryRange> entries(SeqId seq, index_t layer, index_t stream) const {
+    const auto found = layers_.find({seq, layer});
+    if (found == layers_.end() || stream < 0 || static_cast<std::size_t>(stream) >= found->second.streams.size()) return {};
+    return found->second.streams[static_cast<std::size_t>(stream)];
   }
 
   /// Appends the tokens of entry `entry` of (seq, layer, stream) to `out` (its dims set).
-  /// \throws kvpack::Error kInvalidArgument for an entry or stream not written; kUnavailable when
-  ///         the tier no longer holds it (a bounded tier dropped it) or cannot be read;
-  ///         kInvalidArgument when damaged.
+  /// \throws kvpack::Error kInvalidArgument for an entry not written; kUnavailable when the tier
+  ///         no longer holds it (a bounded tier dropped it) or cannot be read; kInvalidArgument
+  ///         when damaged.
   void read_entry(SeqId seq, index_t layer, index_t stream, std::size_t entry, StoredTokens& out) {
-    const auto found = written_.find({seq, layer});
-    KVPACK_CHECK(found != written_.end() && entry < found->second.chunks.size(), kInvalidArgument,
-                 detail::message("RecallStore::read_entry: sequence ", seq, " layer ", layer, " has no entry ", entry));
-    const Written& written = found->second;
-    KVPACK_CHECK(stream >= 0 && stream < written.streams, kInvalidArgument,
-                 detail::message("RecallStore::read: stream ", stream, " of ", written.streams, " written"));
-    out.key_dim = out.value_dim = written.dim;
-    const std::string key = key_of(seq, layer, stream, static_cast<std::uint32_t>(entry));
+    KVPACK_CHECK(entry < entries(seq, layer, stream).size(), kInvalidArgument,
+                 detail::message("RecallStore::read_entry: sequence ", seq, " layer ", layer, " stream ", stream,
+                                 " has no entry ", entry));
+    const index_t dim = layers_.find({seq, layer})->second.dim;
+    out.key_dim = out.value_dim = dim;
+    const std::string key = key_of(seq, layer, stream, entry);
     const std::optional<std::vector<std::byte>> bytes = tier_.get(key);
     KVPACK_CHECK(bytes.has_value(), kUnavailable,
                  detail::message("RecallStore: ", tier_.describe(), " no longer holds '", key, "'"));
     stats_.bytes_fetched += bytes->size();
-    decode(*bytes, written.dim, key, out);
+    decode(*bytes, dim, key, out);
   }
 
-  /// Every token written for (seq, layer, stream), in position order.
+  /// Every token held for (seq, layer, stream), in the order written (position order for a
+  /// layer written through).
   /// \throws kvpack::Error as read_entry
   [[nodiscard]] StoredTokens read(SeqId seq, index_t layer, index_t stream) {
     StoredTokens out;
-    for (std::size_t entry = 0; entry < entries(seq, layer).size(); ++entry) read_entry(seq, layer, stream, entry, out);
+    for (std::size_t entry = 0; entry < entries(seq, layer, stream).size(); ++entry) {
+      read_entry(seq, layer, stream, entry, out);
+    }
     return out;
   }
 
   /// Removes `seq`'s entries from the tier.
   void forget(SeqId seq) {
-    for (auto it = written_.lower_bound({seq, 0}); it != written_.end() && it->first.first == seq;) {
-      for (std::uint32_t chunk = 0; chunk < it->second.chunks.size(); ++chunk) {
-        for (index_t s = 0; s < it->second.streams; ++s) tier_.erase(key_of(seq, it->first.second, s, chunk));
+    for (auto it = layers_.lower_bound({seq, 0}); it != layers_.end() && it->first.first == seq;) {
+      for (std::size_t s = 0; s < it->second.streams.size(); ++s) {
+        for (std::size_t entry = 0; entry < it->second.streams[s].size(); ++entry) {
+          tier_.erase(key_of(seq, it->first.second, static_cast<index_t>(s), entry));
+        }
       }
-      it = written_.erase(it);
+      it = layers_.erase(it);
     }
   }
 
@@ -160,33 +236,34 @@ class RecallStore {
   [[nodiscard]] RecallStats& stats() noexcept { return stats_; }
 
  private:
-  struct Written {
-    index_t streams = 0, dim = 0;
-    std::vector<std::pair<std::int32_t, std::int32_t>> chunks;  ///< first and last position of each
-    std::int64_t last_position = -1;
+  enum class Mode { kThrough, kDemoted };
+  using Entries = std::vector<EntryRange>;
+  struct Layer {
+    Mode mode = Mode::kThrough;
+    index_t dim = 0;
+    std::int64_t last_position = -1;  ///< written through so far
+    std::vector<Entries> streams;     ///< [streams]
   };
 
-  [[nodiscard]] std::string key_of(SeqId seq, index_t layer, index_t stream, std::uint32_t chunk) const {
-    return detail::message(name_, "-s", seq, "-l", layer, "-h", stream, "-c", chunk);
+  [[nodiscard]] std::string key_of(SeqId seq, index_t layer, index_t stream, std::size_t entry) const {
+    return detail::message(name_, "-s", seq, "-l", layer, "-h", stream, "-c", entry);
   }
 
-  static std::vector<std::byte> encode(std::span<const float> keys, std::span<const float> values,
-                                       std::span<const std::int64_t> positions, std::size_t first, std::size_t n,
-                                       index_t stream, index_t streams, index_t dim) {
+  /// One entry: n tokens, position(i) and row(i, value) giving token i's position and key or
+  /// value row of `dim` floats.
+  template <class Position, class Row>
+  static std::vector<std::byte> encode(std::size_t n, index_t dim, Position position, Row row) {
     const std::size_t d = static_cast<std::size_t>(dim);
     std::vector<std::byte> entry(8 + n * 4 + 2 * n * d * sizeof(float));
     const std::uint32_t header[2] = {static_cast<std::uint32_t>(n), static_cast<std::uint32_t>(dim)};
     std::memcpy(entry.data(), header, 8);
     std::byte* p = entry.data() + 8;
     for (std::size_t i = 0; i < n; ++i, p += 4) {
-      const auto position = static_cast<std::int32_t>(positions[first + i]);
-      std::memcpy(p, &position, 4);
+      const std::int32_t at = position(i);
+      std::memcpy(p, &at, 4);
     }
-    const std::size_t row = static_cast<std::size_t>(streams) * d;
-    for (const std::span<const float> plane : {keys, values}) {
-      for (std::size_t i = 0; i < n; ++i, p += d * sizeof(float)) {
-        std::memcpy(p, plane.data() + (first + i) * row + static_cast<std::size_t>(stream) * d, d * sizeof(float));
-      }
+    for (const bool value : {false, true}) {
+      for (std::size_t i = 0; i < n; ++i, p += d * sizeof(float)) std::memcpy(p, row(i, value), d * sizeof(float));
     }
     return entry;
   }
@@ -215,7 +292,7 @@ class RecallStore {
   Tier& tier_;
   std::string name_;
   index_t chunk_tokens_;
-  std::map<std::pair<SeqId, index_t>, Written> written_;  ///< by (seq, layer)
+  std::map<std::pair<SeqId, index_t>, Layer> layers_;  ///< by (seq, layer)
   RecallStats stats_;
 };
 
@@ -368,6 +445,9 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
   }
   RecallStats& stats = store.stats();
   ++stats.attends;
+  // Entries live under the layer that wrote the tokens (layout::CrossLayer's groups share one).
+  index_t written_layer = layer;
+  if constexpr (requires { cache.writing_layer(layer); }) written_layer = cache.writing_layer(layer);
   const ModelShape& shape = cache.shape();
   const index_t dim = shape.head_dim, group = shape.q_heads / shape.kv_heads;
   index_t recalled = 0;
@@ -394,8 +474,9 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
     // few round trips, and a needle whose span comes first ends recall after one.
     const std::vector<std::size_t> order = recall_detail::spans_by_share(spans, bounds, state);
     const std::vector<std::int32_t> live_positions = all.positions;
-    const std::span<const RecallStore::EntryRange> entries = store.entries(seq, layer);
+    const std::span<const RecallStore::EntryRange> entries = store.entries(seq, written_layer, s);
     std::vector<std::uint8_t> fetched(entries.size(), 0);
+    std::set<std::int32_t> recalled_positions;
     const std::size_t d = static_cast<std::size_t>(dim);
     std::size_t taken = 0;
     for (;;) {
@@ -410,14 +491,18 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
               entries[entry].second < span.first_position) {
             continue;
           }
-          store.read_entry(seq, layer, s, entry, written);
+          store.read_entry(seq, written_layer, s, entry, written);
           fetched[entry] = 1;
         }
       }
-      // The dropped ones (not live) join what is attended.
+      // The dropped ones (not live, and not fetched before: a token can be demoted twice when a
+      // copy-on-write failure kept it after its demotion) join what is attended.
       StoredTokens dropped;
       for (std::size_t t = 0; t < written.positions.size(); ++t) {
-        if (std::binary_search(live_positions.begin(), live_positions.end(), written.positions[t])) continue;
+        if (std::binary_search(live_positions.begin(), live_positions.end(), written.positions[t]) ||
+            !recalled_positions.insert(written.positions[t]).second) {
+          continue;
+        }
         for (StoredTokens* to : {&all, &dropped}) {
           to->positions.push_back(written.positions[t]);
           to->keys.insert(to->keys.end(), written.keys.begin() + t * d, written.keys.begin() + (t + 1) * d);

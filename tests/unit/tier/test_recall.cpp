@@ -246,6 +246,207 @@ TEST_CASE("recall fetches the fewest spans in order of share", "[tier][recall]")
   }
 }
 
+namespace {
+
+/// A host tier that can be taken down: put and get then throw kUnavailable.
+class SwitchableTier final : public tier::Tier {
+ public:
+  bool down = false;
+  [[nodiscard]] std::string describe() const override { return "switchable"; }
+  void put(std::string_view key, std::span<const std::byte> bytes) override {
+    if (down) throw Error(ErrorCode::kUnavailable, "switchable: down");
+    host_.put(key, bytes);
+  }
+  [[nodiscard]] std::optional<std::vector<std::byte>> get(std::string_view key) override {
+    if (down) throw Error(ErrorCode::kUnavailable, "switchable: down");
+    return host_.get(key);
+  }
+  bool erase(std::string_view key) override { return host_.erase(key); }
+  [[nodiscard]] tier::TierStats stats() const override { return host_.stats(); }
+
+ private:
+  tier::HostTier host_{64 << 20};
+};
+
+/// What stream s of the cache holds plus what the store holds for it: every position of
+/// [0, tokens) exactly once.
+template <class Cache>
+void check_live_and_demoted_partition(const Cache& cache, tier::RecallStore& store, SeqId seq, index_t tokens) {
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    std::vector<std::int32_t> all = cache.read_back(seq, 0, s).positions;
+    const StoredTokens demoted = store.read(seq, 0, s);
+    all.insert(all.end(), demoted.positions.begin(), demoted.positions.end());
+    std::sort(all.begin(), all.end());
+    std::vector<std::int32_t> expected(static_cast<std::size_t>(tokens));
+    for (index_t t = 0; t < tokens; ++t) expected[static_cast<std::size_t>(t)] = t;
+    INFO("stream " << s);
+    CHECK(all == expected);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("write-back: the cache demotes what it drops, and recall brings it back exactly", "[tier][recall]") {
+  using Cache = KVCache<layout::GQA, quant::Float<float>, evict::StreamingLLM<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  Cache cache(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{64}}, summaries_only());
+  SwitchableTier tier;
+  tier::RecallStore store(tier, "demoted", 100);
+  cache.set_demotion_sink([&store](const DroppedTokens& dropped) { store.demote(dropped); });
+  const Prompt p = random_prompt(7);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t prompt = static_cast<std::size_t>(kTokens - 20) * kShape.kv_heads * kShape.head_dim;
+
+  SECTION("only the dropped tokens are written, as the cache held them") {
+    cache.prefill(seq, 0, std::span<const float>(p.keys.data(), prompt), std::span<const float>(p.values.data(), prompt));
+    REQUIRE(cache.live_tokens(seq, 0, 0) == 64);
+    const std::uint64_t dropped = kTokens - 20 - 64;  // per stream: 416 = 4 entries of 100 and one of 16
+    CHECK(store.stats().tokens_demoted == 2 * dropped);
+    CHECK(store.stats().bytes_written == 2 * (5 * 8 + dropped * 4 + 2 * dropped * 32 * 4));
+    check_live_and_demoted_partition(cache, store, seq, kTokens - 20);
+    // An fp32 cache demotes the rows as they were written.
+    const StoredTokens demoted = store.read(seq, 0, 1);
+    for (index_t i = 0; i < demoted.size(); ++i) {
+      const std::size_t at = (static_cast<std::size_t>(demoted.positions[i]) * kShape.kv_heads + 1) * kShape.head_dim;
+      INFO("position " << demoted.positions[i]);
+      CHECK(std::equal(p.keys.begin() + at, p.keys.begin() + at + kShape.head_dim,
+                       demoted.keys.begin() + i * kShape.head_dim));
+      CHECK(std::equal(p.values.begin() + at, p.values.begin() + at + kShape.head_dim,
+                       demoted.values.begin() + i * kShape.head_dim));
+    }
+  }
+  SECTION("a tier that refuses keeps the tokens in the cache until a write can demote them") {
+    tier.down = true;
+    cache.prefill(seq, 0, std::span<const float>(p.keys.data(), prompt), std::span<const float>(p.values.data(), prompt));
+    CHECK(cache.live_tokens(seq, 0, 0) == kTokens - 20);  // over budget: nothing dropped
+    CHECK(store.stats().demotions_failed == 2);
+    CHECK(cache.demotions_refused() == 2);
+    CHECK(store.stats().tokens_demoted == 0);
+    CHECK(store.entries(seq, 0, 0).empty());
+    tier.down = false;
+  }
+  // Decode steps: each drops a token from the recent window (demoted there and then).
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  if (cache.length(seq, 0) == 0) {
+    cache.prefill(seq, 0, std::span<const float>(p.keys.data(), prompt), std::span<const float>(p.values.data(), prompt));
+  }
+  for (index_t t = kTokens - 20; t < kTokens; ++t) {
+    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
+                 std::span<const float>(p.values.data() + t * row, row), t);
+  }
+  REQUIRE(cache.live_tokens(seq, 0, 0) == 64);
+  check_live_and_demoted_partition(cache, store, seq, kTokens);
+  CHECK(store.stats().tokens_demoted == 2 * (kTokens - 64));
+
+  const std::vector<float> question = question_for(p, 250, 4.0f);
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  const std::vector<double> exact =
+      eval::exact_attention(p.keys, p.values, kShape.kv_heads, kShape.head_dim, question, scale);
+  std::vector<float> without(question.size()), with(question.size());
+  cache.attend(seq, 0, std::span<const float>(question), std::span<float>(without), scale);
+  REQUIRE(largest_error(without, exact) > 0.1);
+  AttendReport report;
+  report.epsilon = 0.01;
+  CHECK(tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report) == kShape.kv_heads);
+  CHECK(store.stats().max_mass_left <= report.epsilon);
+  CHECK(largest_error(with, exact) <= 2.0 * store.stats().max_mass_left * largest_value_norm(p) + 1e-5);
+  CHECK(store.stats().tokens_recalled <= 2 * (kTokens - 64));
+
+  const auto mixed = test::thrown_error([&] { store.write(seq, 0, kShape.kv_heads, kShape.head_dim, p.keys, p.values, p.positions); });
+  REQUIRE(mixed);
+  CHECK_THAT(mixed->what(), Catch::Contains("demoted"));
+}
+
+TEST_CASE("write-back from a compacting fp16 H2O cache: every token is live or demoted, once", "[tier][recall]") {
+  using Cache = KVCache<layout::GQA, quant::Float<half>, evict::H2O<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  Cache cache(kShape, config, {}, {}, evict::H2O<>{evict::Uniform{96}}, summaries_only());
+  tier::HostTier host(64 << 20);
+  tier::RecallStore store(host, "h2o", 64);
+  cache.set_demotion_sink([&store](const DroppedTokens& dropped) { store.demote(dropped); });
+  const Prompt p = random_prompt(8);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  std::vector<float> out(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
+  for (index_t t = 0; t < kTokens; ++t) {
+    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
+                 std::span<const float>(p.values.data() + t * row, row), t);
+    cache.attend(seq, 0, std::span<const float>(question_for(p, t / 2, 1.0f)), std::span<float>(out), scale);
+  }
+  REQUIRE(cache.live_tokens(seq, 0, 0) == 96);
+  check_live_and_demoted_partition(cache, store, seq, kTokens);
+  // fp16 pages demote their tokens as they decode: each within fp16's rounding of the input.
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    const StoredTokens demoted = store.read(seq, 0, s);
+    for (index_t i = 0; i < demoted.size(); ++i) {
+      const std::size_t at = (static_cast<std::size_t>(demoted.positions[i]) * kShape.kv_heads + s) * kShape.head_dim;
+      for (index_t c = 0; c < kShape.head_dim; ++c) {
+        const std::size_t j = static_cast<std::size_t>(i) * kShape.head_dim + c;
+        REQUIRE(std::fabs(demoted.keys[j] - p.keys[at + c]) <= 0x1p-11f * std::fabs(p.keys[at + c]) + 0x1p-24f);
+        REQUIRE(std::fabs(demoted.values[j] - p.values[at + c]) <= 0x1p-11f * std::fabs(p.values[at + c]) + 0x1p-24f);
+      }
+    }
+  }
+  // Recall over what the cache and the store hold equals exact attention over both, up to the
+  // bound on what it left unread.
+  const std::vector<float> question = question_for(p, 100, 4.0f);
+  std::vector<float> keys, values;
+  StoredTokens whole[2];
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    StoredTokens live = cache.read_back(seq, 0, s);
+    const StoredTokens demoted = store.read(seq, 0, s);
+    live.positions.insert(live.positions.end(), demoted.positions.begin(), demoted.positions.end());
+    live.keys.insert(live.keys.end(), demoted.keys.begin(), demoted.keys.end());
+    live.values.insert(live.values.end(), demoted.values.begin(), demoted.values.end());
+    whole[s] = std::move(live);
+  }
+  // Rows [T][streams][dim] in any token order (attention does not depend on it).
+  for (std::size_t i = 0; i < whole[0].positions.size(); ++i) {
+    for (const StoredTokens& stream : whole) {
+      keys.insert(keys.end(), stream.keys.begin() + i * kShape.head_dim, stream.keys.begin() + (i + 1) * kShape.head_dim);
+      values.insert(values.end(), stream.values.begin() + i * kShape.head_dim,
+                    stream.values.begin() + (i + 1) * kShape.head_dim);
+    }
+  }
+  const std::vector<double> exact = eval::exact_attention(keys, values, kShape.kv_heads, kShape.head_dim, question, scale);
+  std::vector<float> with(question.size());
+  AttendReport report;
+  report.epsilon = 0.01;
+  CHECK(tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report) > 0);
+  CHECK(store.stats().max_mass_left <= report.epsilon);
+  CHECK(largest_error(with, exact) <= 2.0 * store.stats().max_mass_left * 1.001 * largest_value_norm(p) + 1e-4);
+}
+
+TEST_CASE("a cache that stores keys before RoPE demotes them rotated to their positions", "[tier][recall]") {
+  using Cache = KVCache<layout::GQA, quant::Float<float>, evict::H2O<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  config.key_rope = RopeSpec{};
+  Cache cache(kShape, config, {}, {}, evict::H2O<>{evict::Uniform{64}}, summaries_only());
+  tier::HostTier host(64 << 20);
+  tier::RecallStore store(host, "rope");
+  cache.set_demotion_sink([&store](const DroppedTokens& dropped) { store.demote(dropped); });
+  const Prompt p = random_prompt(9);  // keys as the engine hands them: before RoPE
+  const SeqId seq = cache.add_sequence();
+  const std::size_t prompt = static_cast<std::size_t>(200) * kShape.kv_heads * kShape.head_dim;
+  cache.prefill(seq, 0, std::span<const float>(p.keys.data(), prompt), std::span<const float>(p.values.data(), prompt));
+  REQUIRE(cache.live_tokens(seq, 0, 1) == 64);
+  CHECK(cache.demotions_refused() == 0);
+  const StoredTokens demoted = store.read(seq, 0, 1);
+  REQUIRE(demoted.size() == 200 - 64);
+  std::vector<float> rotated(static_cast<std::size_t>(kShape.head_dim));
+  for (index_t i = 0; i < demoted.size(); ++i) {
+    const std::size_t at = (static_cast<std::size_t>(demoted.positions[i]) * kShape.kv_heads + 1) * kShape.head_dim;
+    std::copy_n(p.keys.begin() + at, kShape.head_dim, rotated.begin());
+    apply_rope_reference(*config.key_rope, kShape.head_dim, demoted.positions[i], rotated.data());
+    INFO("position " << demoted.positions[i]);
+    CHECK(std::equal(rotated.begin(), rotated.end(), demoted.keys.begin() + i * kShape.head_dim));
+  }
+}
+
 TEST_CASE("a cache that dropped nothing never recalls", "[tier][recall]") {
   using Cache = KVCache<layout::GQA, quant::Float<float>>;
   Cache cache(kShape);
