@@ -91,6 +91,20 @@ double largest_value_norm(const Prompt& p) {
   return top;
 }
 
+/// Appends `p` one token at a time, each followed by a question on an earlier token, so that
+/// H2O's scores vary: it drops slots from pages and compacts them.
+template <class Cache>
+void decode_with_questions(Cache& cache, SeqId seq, const Prompt& p) {
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  std::vector<float> out(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
+  for (index_t t = 0; t < kTokens; ++t) {
+    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
+                 std::span<const float>(p.values.data() + t * row, row), t);
+    cache.attend(seq, 0, std::span<const float>(question_for(p, t / 2, 1.0f)), std::span<float>(out), scale);
+  }
+}
+
 select::Quest summaries_only() {
   select::Quest quest;
   quest.dense_layers = std::numeric_limits<index_t>::max();
@@ -203,14 +217,9 @@ TEST_CASE("the report's unread spans cover what H2O dropped from pages and compa
   Cache cache(kShape, config, {}, {}, evict::H2O<>{evict::Uniform{96}}, summaries_only());
   const Prompt p = random_prompt(6);
   const SeqId seq = cache.add_sequence();
-  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
   const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
   std::vector<float> out(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
-  for (index_t t = 0; t < kTokens; ++t) {
-    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
-                 std::span<const float>(p.values.data() + t * row, row), t);
-    cache.attend(seq, 0, std::span<const float>(question_for(p, t / 2, 1.0f)), std::span<float>(out), scale);
-  }
+  decode_with_questions(cache, seq, p);
   AttendReport report;
   cache.attend(seq, 0, std::span<const float>(question_for(p, 7, 1.0f)), std::span<float>(out), scale, &report);
   check_spans_cover_dropped(cache, seq, report, kTokens);
@@ -368,14 +377,7 @@ TEST_CASE("write-back from a compacting fp16 H2O cache: every token is live or d
   cache.set_demotion_sink([&store](const DroppedTokens& dropped) { store.demote(dropped); });
   const Prompt p = random_prompt(8);
   const SeqId seq = cache.add_sequence();
-  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
-  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
-  std::vector<float> out(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
-  for (index_t t = 0; t < kTokens; ++t) {
-    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
-                 std::span<const float>(p.values.data() + t * row, row), t);
-    cache.attend(seq, 0, std::span<const float>(question_for(p, t / 2, 1.0f)), std::span<float>(out), scale);
-  }
+  decode_with_questions(cache, seq, p);
   REQUIRE(cache.live_tokens(seq, 0, 0) == 96);
   check_live_and_demoted_partition(cache, store, seq, kTokens);
   // fp16 pages demote their tokens as they decode: each within fp16's rounding of the input.
@@ -393,6 +395,7 @@ TEST_CASE("write-back from a compacting fp16 H2O cache: every token is live or d
   // Recall over what the cache and the store hold equals exact attention over both, up to the
   // bound on what it left unread.
   const std::vector<float> question = question_for(p, 100, 4.0f);
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
   std::vector<float> keys, values;
   StoredTokens whole[2];
   for (index_t s = 0; s < kShape.kv_heads; ++s) {
