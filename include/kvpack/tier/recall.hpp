@@ -26,7 +26,8 @@
 /// A RecallStore is not thread-safe: one per engine thread, or a lock around it.
 ///
 /// Entries, one per write or demote call and (layer, stream), chunked to at most `chunk_tokens`:
-///   u32 tokens · u32 dim · i32 positions[tokens] · f32 keys[tokens][dim] · f32 values[tokens][dim]
+///   u32 tokens · u16 dim · u16 element bytes (4: f32, 2: fp16; EntryPrecision) ·
+///   i32 positions[tokens] · keys[tokens][dim] · values[tokens][dim]
 /// under "<name>-s<seq>-l<layer>-h<stream>-c<chunk>".
 
 #include <algorithm>
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "kvpack/cache_config.hpp"
+#include "kvpack/core/half.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/select/unread_bound.hpp"
@@ -66,13 +68,24 @@ struct RecallStats {
   std::uint64_t demotions_failed = 0; ///< demote calls the tier refused (the cache kept the tokens)
 };
 
+/// How a RecallStore's entries hold K and V.
+enum class EntryPrecision {
+  kF32,  ///< as given
+  /// fp16: half the bytes. Exact for what an fp16 cache demotes; anything else is rounded to
+  /// nearest (relative error at most 2^-11, subnormals absolutely at most 2^-25). An entry with a
+  /// value fp16 cannot hold finitely (|x| ≥ 65520) is written in fp32 instead, so nothing
+  /// overflows.
+  kF16,
+};
+
 class RecallStore {
  public:
   /// \param name distinguishes this store's entries in a shared tier: a tier key of at most
   ///        kMaxNameBytes characters (the entry keys append sequence, layer, stream and chunk)
   static constexpr std::size_t kMaxNameBytes = 120;
-  RecallStore(Tier& tier, std::string name, index_t chunk_tokens = 256)
-      : tier_(tier), name_(std::move(name)), chunk_tokens_(chunk_tokens) {
+  static constexpr index_t kMaxDim = 65535;  ///< an entry's header holds dim in 16 bits
+  RecallStore(Tier& tier, std::string name, index_t chunk_tokens = 256, EntryPrecision precision = EntryPrecision::kF32)
+      : tier_(tier), name_(std::move(name)), chunk_tokens_(chunk_tokens), precision_(precision) {
     check_tier_key(name_, "RecallStore");
     KVPACK_CHECK(name_.size() <= kMaxNameBytes, kInvalidArgument,
                  detail::message("RecallStore: name is ", name_.size(), " characters, at most ", kMaxNameBytes));
@@ -99,6 +112,7 @@ class RecallStore {
                  "through or takes its demotions");
     KVPACK_CHECK(written.streams.size() == static_cast<std::size_t>(streams) && written.dim == dim, kInvalidArgument,
                  "RecallStore::write: streams or dim differ from an earlier write of this layer");
+    KVPACK_CHECK(dim <= kMaxDim, kInvalidArgument, detail::message("RecallStore::write: dim ", dim, " > ", kMaxDim));
     for (std::size_t i = 0; i < positions.size(); ++i) {
       const std::int64_t previous = i == 0 ? written.last_position : positions[i - 1];
       KVPACK_CHECK(positions[i] > previous && positions[i] <= std::numeric_limits<std::int32_t>::max(),
@@ -138,6 +152,8 @@ class RecallStore {
     KVPACK_CHECK(tokens.key_dim > 0 && tokens.key_dim == tokens.value_dim && dropped.stream >= 0 &&
                      tokens.keys.size() == n * d && tokens.values.size() == n * d,
                  kInvalidArgument, "RecallStore::demote: tokens' dims or sizes are inconsistent");
+    KVPACK_CHECK(tokens.key_dim <= kMaxDim, kInvalidArgument,
+                 detail::message("RecallStore::demote: dim ", tokens.key_dim, " > ", kMaxDim));
     for (std::size_t i = 1; i < n; ++i) {
       KVPACK_CHECK(tokens.positions[i] > tokens.positions[i - 1], kInvalidArgument,
                    "RecallStore::demote: positions must increase");
@@ -250,30 +266,52 @@ class RecallStore {
   }
 
   /// One entry: n tokens, position(i) and row(i, value) giving token i's position and key or
-  /// value row of `dim` floats.
+  /// value row of `dim` floats; in fp16 when the store says so and every value fits.
   template <class Position, class Row>
-  static std::vector<std::byte> encode(std::size_t n, index_t dim, Position position, Row row) {
+  [[nodiscard]] std::vector<std::byte> encode(std::size_t n, index_t dim, Position position, Row row) const {
     const std::size_t d = static_cast<std::size_t>(dim);
-    std::vector<std::byte> entry(8 + n * 4 + 2 * n * d * sizeof(float));
-    const std::uint32_t header[2] = {static_cast<std::uint32_t>(n), static_cast<std::uint32_t>(dim)};
-    std::memcpy(entry.data(), header, 8);
+    bool narrow = precision_ == EntryPrecision::kF16;
+    for (std::size_t i = 0; narrow && i < n; ++i) {
+      for (const bool value : {false, true}) {
+        const float* x = row(i, value);
+        for (std::size_t c = 0; c < d; ++c) narrow &= std::isfinite(static_cast<float>(half(x[c]))) == std::isfinite(x[c]);
+      }
+    }
+    const std::size_t element = narrow ? sizeof(half) : sizeof(float);
+    std::vector<std::byte> entry(8 + n * 4 + 2 * n * d * element);
+    const std::uint32_t tokens = static_cast<std::uint32_t>(n);
+    const std::uint16_t shape[2] = {static_cast<std::uint16_t>(dim), static_cast<std::uint16_t>(element)};
+    std::memcpy(entry.data(), &tokens, 4);
+    std::memcpy(entry.data() + 4, shape, 4);
     std::byte* p = entry.data() + 8;
     for (std::size_t i = 0; i < n; ++i, p += 4) {
       const std::int32_t at = position(i);
       std::memcpy(p, &at, 4);
     }
     for (const bool value : {false, true}) {
-      for (std::size_t i = 0; i < n; ++i, p += d * sizeof(float)) std::memcpy(p, row(i, value), d * sizeof(float));
+      for (std::size_t i = 0; i < n; ++i, p += d * element) {
+        if (!narrow) {
+          std::memcpy(p, row(i, value), d * sizeof(float));
+          continue;
+        }
+        for (std::size_t c = 0; c < d; ++c) {
+          const half h(row(i, value)[c]);
+          std::memcpy(p + c * sizeof(half), &h, sizeof(half));
+        }
+      }
     }
     return entry;
   }
 
   static void decode(std::span<const std::byte> entry, index_t dim, const std::string& key, StoredTokens& out) {
-    std::uint32_t header[2] = {0, 0};
     KVPACK_CHECK(entry.size() >= 8, kInvalidArgument, detail::message("RecallStore: entry '", key, "' is truncated"));
-    std::memcpy(header, entry.data(), 8);
-    const std::size_t n = header[0], d = header[1];
-    KVPACK_CHECK(d == static_cast<std::size_t>(dim) && entry.size() == 8 + n * 4 + 2 * n * d * sizeof(float),
+    std::uint32_t tokens = 0;
+    std::uint16_t shape[2] = {0, 0};
+    std::memcpy(&tokens, entry.data(), 4);
+    std::memcpy(shape, entry.data() + 4, 4);
+    const std::size_t n = tokens, d = shape[0], element = shape[1];
+    KVPACK_CHECK(d == static_cast<std::size_t>(dim) && (element == sizeof(float) || element == sizeof(half)) &&
+                     entry.size() == 8 + n * 4 + 2 * n * d * element,
                  kInvalidArgument, detail::message("RecallStore: entry '", key, "' does not match its header"));
     const std::byte* p = entry.data() + 8;
     for (std::size_t i = 0; i < n; ++i, p += 4) {
@@ -284,14 +322,23 @@ class RecallStore {
     for (std::vector<float>* plane : {&out.keys, &out.values}) {
       const std::size_t old = plane->size();
       plane->resize(old + n * d);
-      std::memcpy(plane->data() + old, p, n * d * sizeof(float));
-      p += n * d * sizeof(float);
+      if (element == sizeof(float)) {
+        std::memcpy(plane->data() + old, p, n * d * sizeof(float));
+      } else {
+        for (std::size_t j = 0; j < n * d; ++j) {
+          half h;
+          std::memcpy(&h, p + j * sizeof(half), sizeof(half));
+          (*plane)[old + j] = static_cast<float>(h);
+        }
+      }
+      p += n * d * element;
     }
   }
 
   Tier& tier_;
   std::string name_;
   index_t chunk_tokens_;
+  EntryPrecision precision_;
   std::map<std::pair<SeqId, index_t>, Layer> layers_;  ///< by (seq, layer)
   RecallStats stats_;
 };

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -447,6 +448,78 @@ TEST_CASE("a cache that stores keys before RoPE demotes them rotated to their po
     apply_rope_reference(*config.key_rope, kShape.head_dim, demoted.positions[i], rotated.data());
     INFO("position " << demoted.positions[i]);
     CHECK(std::equal(rotated.begin(), rotated.end(), demoted.keys.begin() + i * kShape.head_dim));
+  }
+}
+
+TEST_CASE("fp16 entries: exact for an fp16 cache's demotions, rounded otherwise, fp32 where fp16 overflows",
+          "[tier][recall]") {
+  const index_t d = kShape.head_dim;
+  SECTION("an fp16 cache demotes the same tokens into half the value bytes") {
+    using Cache = KVCache<layout::GQA, quant::Float<half>, evict::H2O<>, select::Quest>;
+    CacheConfig config;
+    config.page_size = 16;
+    Cache cache(kShape, config, {}, {}, evict::H2O<>{evict::Uniform{96}}, summaries_only());
+    tier::HostTier host(64 << 20);
+    tier::RecallStore wide(host, "wide", 64), narrow(host, "narrow", 64, tier::EntryPrecision::kF16);
+    cache.set_demotion_sink([&](const DroppedTokens& dropped) {
+      wide.demote(dropped);
+      narrow.demote(dropped);
+    });
+    const Prompt p = random_prompt(10);
+    const SeqId seq = cache.add_sequence();
+    decode_with_questions(cache, seq, p);
+    for (index_t s = 0; s < kShape.kv_heads; ++s) {
+      const StoredTokens a = wide.read(seq, 0, s), b = narrow.read(seq, 0, s);
+      CHECK(a.size() == kTokens - 96);
+      CHECK(a.positions == b.positions);
+      CHECK(a.keys == b.keys);
+      CHECK(a.values == b.values);
+    }
+    // Each token's key and value rows take 2·d bytes fewer each.
+    CHECK(wide.stats().bytes_written - narrow.stats().bytes_written == 4 * d * narrow.stats().tokens_demoted);
+  }
+  SECTION("fp32 rows are rounded to fp16, except an entry fp16 cannot hold") {
+    Prompt p = random_prompt(11);
+    const std::size_t huge = (150 * static_cast<std::size_t>(kShape.kv_heads) + 0) * d + 3;  // token 150, stream 0
+    p.keys[huge] = 1e6f;
+    tier::HostTier host(64 << 20);
+    tier::RecallStore store(host, "rounded", 100, tier::EntryPrecision::kF16);
+    store.write(1, 0, kShape.kv_heads, d, p.keys, p.values, p.positions);
+    // Stream 0's second entry (tokens 100-199) stays fp32; the other nine are fp16.
+    CHECK(store.stats().bytes_written == 10 * (8 + 100 * 4) + 9 * 2 * 100 * d * 2 + 2 * 100 * d * 4);
+    bool rounded = false;
+    for (index_t s = 0; s < kShape.kv_heads; ++s) {
+      const StoredTokens back = store.read(1, 0, s);
+      REQUIRE(back.size() == kTokens);
+      for (index_t t = 0; t < kTokens; ++t) {
+        const bool wide = s == 0 && t >= 100 && t < 200;
+        for (index_t c = 0; c < d; ++c) {
+          const std::size_t at = (static_cast<std::size_t>(t) * kShape.kv_heads + s) * d + c;
+          const std::size_t j = static_cast<std::size_t>(t) * d + c;
+          for (const auto& [given, stored] : {std::pair{p.keys[at], back.keys[j]}, std::pair{p.values[at], back.values[j]}}) {
+            const float allowed = wide ? 0.0f : 0x1p-11f * std::fabs(given) + 0x1p-25f;
+            if (std::fabs(stored - given) > allowed) FAIL("token " << t << " stream " << s << " channel " << c);
+            rounded |= stored != given;
+          }
+        }
+      }
+    }
+    CHECK(rounded);
+  }
+  SECTION("an entry whose element size is neither 2 nor 4 is refused") {
+    tier::HostTier host(1 << 20);
+    tier::RecallStore store(host, "damaged", 16, tier::EntryPrecision::kF16);
+    const std::vector<float> rows(2 * 8, 0.5f);
+    store.write(1, 0, 2, 8, rows, rows, std::vector<std::int64_t>{0});
+    std::vector<std::byte> entry = *host.get("damaged-s1-l0-h0-c0");
+    REQUIRE(entry.size() == 8 + 4 + 2 * 8 * 2);
+    const std::uint16_t three = 3;
+    std::memcpy(entry.data() + 6, &three, 2);
+    host.put("damaged-s1-l0-h0-c0", entry);
+    const auto error = test::thrown_error([&] { (void)store.read(1, 0, 0); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kInvalidArgument);
+    CHECK_THAT(error->what(), Catch::Contains("does not match its header"));
   }
 }
 
