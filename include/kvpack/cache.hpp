@@ -1010,9 +1010,7 @@ class KVCache {
     add_rows(0, state.prefix_count);
     for (index_t i = 0; i < static_cast<index_t>(state.tables[stream].size()); ++i) {
       const PageId id = state.tables[stream][i];
-      const std::byte* payload = pool_.payload(id);
-      quantizer_.key.decode(key_geometry(), payload, key_params_[p], keys.data());
-      quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[p], values.data());
+      decode_page(id, p, keys.data(), values.data());
       const std::byte* metadata = pool_.metadata(id);
       const std::byte* mask = metadata + static_cast<std::size_t>(page) * sizeof(std::int32_t);
       for (index_t t = 0; t < page; ++t) {
@@ -1056,6 +1054,13 @@ class KVCache {
   }
 
   [[nodiscard]] quant::PageGeometry key_geometry() const noexcept { return {config_.page_size, key_dim_}; }
+  /// Decodes page `id` into rows [page_size][key_dim] and [page_size][value_dim], with the codec
+  /// parameters of (layer, stream) number `params` (layer · streams + stream).
+  void decode_page(PageId id, std::size_t params, float* keys, float* values) const {
+    const std::byte* payload = pool_.payload(id);
+    quantizer_.key.decode(key_geometry(), payload, key_params_[params], keys);
+    quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[params], values);
+  }
   [[nodiscard]] quant::PageGeometry value_geometry() const noexcept { return {config_.page_size, value_dim_}; }
   /// Full-precision rows per stream: the exact prefix, the tail window and a page being filled.
   [[nodiscard]] index_t tail_capacity() const noexcept {
@@ -1800,9 +1805,7 @@ class KVCache {
           if (decoded != ref.page) {
             keys.resize(static_cast<std::size_t>(config_.page_size) * key_dim_);
             values.resize(static_cast<std::size_t>(config_.page_size) * value_dim_);
-            quantizer_.key.decode(key_geometry(), pool_.payload(id), key_params_[p], keys.data());
-            quantizer_.value.decode(value_geometry(), pool_.payload(id) + value_plane_offset(), value_params_[p],
-                                    values.data());
+            decode_page(id, p, keys.data(), values.data());
             decoded = ref.page;
           }
           key = keys.data() + static_cast<std::size_t>(ref.slot) * key_dim_;
@@ -1947,9 +1950,7 @@ class KVCache {
     const std::size_t p = static_cast<std::size_t>(layer) * streams_ + s;
     std::size_t n = 0;
     for (std::size_t i = first; i < end; ++i) {
-      const std::byte* payload = pool_.payload(table[i]);
-      quantizer_.key.decode(key_geometry(), payload, key_params_[p], decoded_keys.data());
-      quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[p], decoded_values.data());
+      decode_page(table[i], p, decoded_keys.data(), decoded_values.data());
       const std::byte* metadata = pool_.metadata(table[i]);
       const std::uint64_t* mask = live_mask(table[i]);
       for (index_t t = 0; t < page; ++t) {
@@ -2044,9 +2045,7 @@ class KVCache {
   void write_summary(PageId id, std::size_t params, index_t lived) noexcept {
     SummaryScratch& scratch = summary_scratch();
     const index_t page = config_.page_size;
-    const std::byte* payload = pool_.payload(id);
-    quantizer_.key.decode(key_geometry(), payload, key_params_[params], scratch.keys.data());
-    quantizer_.value.decode(value_geometry(), payload + value_plane_offset(), value_params_[params], scratch.values.data());
+    decode_page(id, params, scratch.keys.data(), scratch.values.data());
     const float* keys = scratch.keys.data();
     if (config_.key_rope) {
       const std::byte* metadata = pool_.metadata(id);
