@@ -676,34 +676,28 @@ int run(const Options& o) {
     for (std::size_t p = 0; p < policies.size(); ++p) {
       if (policies[p].budget_tokens > 0) evictors.push_back(policies[p]), evictor_rows.push_back(p);
     }
+    // The evictors on `spec`, at the first context; each report goes to its row's `field`.
+    const auto run_evictors = [&](const eval::NeedleSpec& spec, const char* phase,
+                                  std::optional<eval::NeedleReport> Row::*field) {
+      const eval::NeedleSuite variant(spec);
+      examples::ProgressBar progress(phase, static_cast<int>(spec.contexts.size() * spec.depths.size()));
+      const auto reports = variant.run(evictors, {}, [&](int done, int) { progress.update(done); },
+                                       [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
+      for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].*field = reports[e];
+      end_phase(phase);
+    };
+    needle.contexts = {o.needle_contexts.front()};
     if (o.pinned && !evictors.empty()) {
       needle.pinned_span = kPinnedSpan;
-      needle.contexts = {o.needle_contexts.front()};
-      const eval::NeedleSuite pinned_suite(needle);
-      examples::ProgressBar pinned_trials("needle, pinned", static_cast<int>(needle.contexts.size() * needle.depths.size()));
-      const auto pinned = pinned_suite.run(evictors, {}, [&](int done, int) { pinned_trials.update(done); },
-                                           [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
-      for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].pinned_needle = pinned[e];
-      end_phase("needle, pinned");
+      run_evictors(needle, "needle, pinned", &Row::pinned_needle);
+      needle.pinned_span = 0;
     }
     if (o.recall_tier && !evictors.empty()) {
-      needle.pinned_span = 0;
       needle.recall_from_tier = true;
-      needle.contexts = {o.needle_contexts.front()};
-      const eval::NeedleSuite recall_suite(needle);
-      examples::ProgressBar recall_trials("needle, recall", static_cast<int>(needle.depths.size()));
-      const auto recalled = recall_suite.run(evictors, {}, [&](int done, int) { recall_trials.update(done); },
-                                             [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
-      for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].recall_needle = recalled[e];
-      end_phase("needle, recall");
+      run_evictors(needle, "needle, recall", &Row::recall_needle);
       // Write-back: only what the evictors drop goes to the tier, when they drop it.
       needle.recall_by_demotion = true;
-      const eval::NeedleSuite demoted_suite(needle);
-      examples::ProgressBar demoted_trials("needle, write-back", static_cast<int>(needle.depths.size()));
-      const auto demoted = demoted_suite.run(evictors, {}, [&](int done, int) { demoted_trials.update(done); },
-                                             [&](index_t count, const std::function<void(index_t)>& task) { pool(count, task); });
-      for (std::size_t e = 0; e < evictors.size(); ++e) rows[evictor_rows[e]].demoted_needle = demoted[e];
-      end_phase("needle, write-back");
+      run_evictors(needle, "needle, write-back", &Row::demoted_needle);
     }
   }
 
