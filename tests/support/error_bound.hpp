@@ -10,7 +10,7 @@
 //   max of the value scale) / kMax, kMax = 32767 (int16) or 127 (int8). Summed over a page of P
 //   slots, over pages, and divided by l = Σ p: Σ_pages P · (0.5/kMax) · max_p(page) ·
 //   max|v̂|(page) / l, times e^{4δ} for the kernel's own (perturbed) weights.
-// - KIVI-4 on AVX-512 (kernels/cpu/kivi_vnni.hpp) quantizes the operand that multiplies the raw
+// - KIVI-2 and KIVI-4 on AVX-512 (kernels/cpu/kivi_vnni.hpp) quantizes the operand that multiplies the raw
 //   codes instead: q·s to int16 per head, so δ_t = max_c |q_c·s_tc| / 65534 · Σ_c code_tc
 //   (kInt16Codes); and w·s to int8 per page, head and channel group with the step
 //   (page max of p) · (group's max s) / 127, so each sum moves by at most (page max of p) / 254 ·
@@ -30,22 +30,28 @@
 namespace kvpack::test {
 
 /// How the kernel under test computes with a plane: in fp32, through int16 / int8 operands, or
-/// through int16 / int8 operands that multiply raw codes (KIVI-4's keys / values).
+/// through int16 / int8 operands that multiply raw codes (KIVI's keys / values).
 enum class Operands { kFloat, kInt16, kInt8, kInt16Codes, kInt8Codes };
 
+/// KIVI's channel-grouped keys and token-grouped values, which the VNNI path multiplies as raw
+/// codes (its per-token keys are decoded to fp32 instead).
 template <class Codec>
-struct IsKivi4 : std::false_type {};
-template <int Group>
-struct IsKivi4<quant::KiviKeyCodec<4, Group>> : std::true_type {};
-template <int Group>
-struct IsKivi4<quant::KiviValueCodec<4, Group>> : std::true_type {};
+struct IsKiviCodes : std::false_type {};
+template <int Bits, int Group>
+struct IsKiviCodes<quant::KiviKeyCodec<Bits, Group>> : std::true_type {
+  static constexpr int kBits = Bits;
+};
+template <int Bits, int Group>
+struct IsKiviCodes<quant::KiviValueCodec<Bits, Group>> : std::true_type {
+  static constexpr int kBits = Bits;
+};
 
 /// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
 /// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
 template <class Codec>
 Operands operands(bool vnni) {
   if (!vnni) return Operands::kFloat;
-  if constexpr (IsKivi4<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
+  if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
   if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
   if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
                 std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
@@ -66,9 +72,9 @@ struct DecodedTokens {
   std::vector<int> page_of;
   std::vector<double> page_max_value;  // per page, over all its slots (dead ones included)
   int page_size = 0;
-  // KIVI-4 keys: per token, each channel's scale and code (empty for tokens without codes).
+  // KIVI keys: per token, each channel's scale and code (empty for tokens without codes).
   std::vector<std::vector<float>> key_scales, key_codes;
-  // KIVI-4 values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots.
+  // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots.
   std::vector<double> page_code_mass;
 };
 
@@ -77,11 +83,11 @@ struct DecodedTokens {
 template <class Codec>
 void add_key_codes(const Codec&, quant::PageGeometry g, const std::byte* plane, int t, DecodedTokens& tokens) {
   std::vector<float> scales, codes;
-  if constexpr (IsKivi4<Codec>::value && Codec::kPlane == Plane::kKey) {
+  if constexpr (IsKiviCodes<Codec>::value && Codec::kPlane == Plane::kKey) {
     for (int c = 0; c < g.head_dim; ++c) {
       const std::size_t meta = (static_cast<std::size_t>(t / Codec::kGroup) * g.head_dim + c) * 2;
       scales.push_back(quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta));
-      codes.push_back(quant::kivi_detail::get_code<4>(plane + Codec::row_bytes(g) * c, t));
+      codes.push_back(quant::kivi_detail::get_code<IsKiviCodes<Codec>::kBits>(plane + Codec::row_bytes(g) * c, t));
     }
   }
   tokens.key_scales.push_back(std::move(scales));
@@ -91,14 +97,14 @@ void add_key_codes(const Codec&, quant::PageGeometry g, const std::byte* plane, 
 template <class Codec>
 void add_value_code_mass(const Codec&, quant::PageGeometry g, const std::byte* plane, DecodedTokens& tokens) {
   double mass = 0.0;
-  if constexpr (IsKivi4<Codec>::value && Codec::kPlane == Plane::kValue) {
+  if constexpr (IsKiviCodes<Codec>::value && Codec::kPlane == Plane::kValue) {
     const int groups = g.head_dim / Codec::kGroup;
     for (int c = 0; c < g.head_dim; ++c) {
       double scale_max = 0.0, code_sum = 0.0;
       for (int t = 0; t < g.page_size; ++t) {
         const std::size_t meta = (static_cast<std::size_t>(t) * groups + c / Codec::kGroup) * 2;
         scale_max = std::max(scale_max, static_cast<double>(quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta)));
-        code_sum += quant::kivi_detail::get_code<4>(plane + Codec::row_bytes(g) * t, c);
+        code_sum += quant::kivi_detail::get_code<IsKiviCodes<Codec>::kBits>(plane + Codec::row_bytes(g) * t, c);
       }
       mass = std::max(mass, scale_max * code_sum);
     }

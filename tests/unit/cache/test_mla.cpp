@@ -142,7 +142,11 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
   const kernels::TailView& tail = stream.tail;
   std::vector<float> scaled(queries.size());
   std::transform(queries.begin(), queries.end(), scaled.begin(), [&](float x) { return x * scale; });
-  const test::DecodedTokens decoded = decoded_tokens(stored, page_size, stream.pages);
+  test::DecodedTokens decoded = decoded_tokens(stored, page_size, stream.pages);
+  for (const std::byte* payload : stream.payloads) {  // what KIVI's integer value bound needs
+    test::add_value_code_mass(stream.quantizer.value, quant::PageGeometry{page_size, latent},
+                              payload + stream.run.value_offset, decoded);
+  }
 
   // Per head, the bound for fp32 value sums and for the codec's integer value operands (the
   // value kernel's path on AVX-512); keys are scored in fp32 from the decoded tile either way.

@@ -11,8 +11,8 @@
 /// - values (per token t, one (s_t, m_t) per group of channels):
 ///   Σ_t w_t·x̂_tc = Σ_t (w_t·s_t)·code_tc + Σ_t w_t·m_t, so each weight is scaled once per token
 ///   and channel group, and the second sum is added once per call.
-/// What is left per code is a shift, a mask, a conversion and one FMA per query head; 4-bit codes
-/// on AVX-512 with VNNI take integer dot products instead (kivi_vnni.hpp). Codes are
+/// What is left per code is a shift, a mask, a conversion and one FMA per query head; on AVX-512
+/// with VNNI the codes take integer dot products instead (kivi_vnni.hpp). Codes are
 /// taken from whole vectors of bytes in a permuted order (KiviLanes); scores and sums are put
 /// back in order once per page or call. The per-token keys of KIVI's ablation still unpack a page
 /// into an fp32 tile and score it with the float kernels.
@@ -184,6 +184,15 @@ constexpr int kivi_max_heads() noexcept {
   return heads >= 8 ? 8 : heads >= 4 ? 4 : heads >= 2 ? 2 : 1;
 }
 
+/// Whether A takes kivi_vnni.hpp's integer dot products for Bits-bit codes.
+template <int Bits, class A>
+inline constexpr bool kKiviVnni =
+#if KVPACK_KERNELS_HAVE_VNNI
+    std::is_same_v<A, xsimd::avx512bw>;
+#else
+    false;
+#endif
+
 /// A per-token plane (values, or the ablation's keys) as fp32, token-major (`tile[t·head_dim + c]`).
 template <int Bits, int Group, Plane kPlane, class A>
 KVPACK_ALWAYS_INLINE void unpack_kivi_tokens(A, quant::PageGeometry g, const std::byte* plane, float* tile) noexcept {
@@ -278,7 +287,7 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
     for (index_t tg = 0; tg < run.page_size / Group; ++tg) {
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + tg * L::kGroupBytes;
 #if KVPACK_KERNELS_HAVE_VNNI
-      if constexpr (Bits == 4 && std::is_same_v<A, xsimd::avx512bw>) {
+      if constexpr (kKiviVnni<Bits, A>) {
         const std::size_t meta = static_cast<std::size_t>(tg) * d * 2;
         auto* q16 = reinterpret_cast<std::int16_t*>(bias + 2 * args.group);  // [group][head_dim]
         if (d % 16 == 0 &&  // whole vectors of channels
@@ -286,11 +295,18 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
                                   reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry) + meta),
                                   reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(geometry) + meta), qs,
                                   q16, bias + args.group, bias)) {
-          for (index_t k = 0; k < Group / 32; ++k) {
+          for (index_t k = 0; k < Group / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row
             for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-              kivi_vnni::score_tokens<decltype(block)::value>(
-                  codes + 16 * k, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0,
-                  scores + h0 * args.score_stride + tg * Group + 32 * k, args.score_stride);
+              constexpr int kG = decltype(block)::value;
+              const auto* at = codes + 4 * Bits * k;
+              float* out = scores + h0 * args.score_stride + tg * Group + 32 * k;
+              if constexpr (Bits == 4) {
+                kivi_vnni::score_tokens<kG>(at, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0, out,
+                                            args.score_stride);
+              } else {
+                kivi_vnni::score_tokens_2bit<kG>(at, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0,
+                                                 out, args.score_stride);
+              }
             });
           }
           continue;
@@ -355,7 +371,7 @@ KVPACK_ALWAYS_INLINE simd::f32<A> gather_strided(const float* p, simd::i32<A> la
 
 /// Where the fused value kernel keeps its state in the call's scratch.
 struct KiviValueScratch {
-  float* sums;       ///< [group][head_dim]: Σ_t (w_t·s_t)·code_tc, channels in lane order
+  float* sums;       ///< [group][head_dim·(2 for 2-bit VNNI)]: Σ_t (w_t·s_t)·code_tc, in lane order
   float* min_sums;   ///< [group][head_dim / Group][W]: Σ_t w_t·m_t, in W partial sums
   float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group
   float* converted;  ///< [2][page_size][head_dim / Group]: the page's scales, then minimums
@@ -392,6 +408,33 @@ KVPACK_ALWAYS_INLINE void accumulate_kivi_chunk(const std::uint8_t* codes, std::
   }
 }
 
+/// acc[c] += one head's value sums (`sums`, in the value kernel's lane order).
+template <int Bits, int Group, class A>
+KVPACK_ALWAYS_INLINE void add_value_sums_in_order(const float* sums, index_t head_dim, float* acc) noexcept {
+#if KVPACK_KERNELS_HAVE_VNNI
+  if constexpr (kKiviVnni<Bits, A> && Bits == 2) {
+    for (index_t c = 0; c < head_dim; c += 32) {
+      const float* in = sums + 2 * c;
+      const __m512 lanes[4] = {_mm512_loadu_ps(in), _mm512_loadu_ps(in + 16), _mm512_loadu_ps(in + 32),
+                               _mm512_loadu_ps(in + 48)};
+      __m512 first, second;
+      kivi_vnni::lane_pairs_in_order(lanes, first, second);
+      _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), first));
+      _mm512_storeu_ps(acc + c + 16, _mm512_add_ps(_mm512_loadu_ps(acc + c + 16), second));
+    }
+    return;
+  }
+#endif
+  using L = KiviLanes<Bits, Group, A>;
+  for (index_t chunk = 0; chunk < head_dim / L::kChunkElements; ++chunk) {
+    const float* in = sums + chunk * L::kChunkElements;
+    float* out = acc + chunk * L::kChunkElements;
+    for (int j = 0; j < L::kVectors; ++j) {
+      for (index_t l = 0; l < L::kWidth; ++l) out[L::element(j, l)] += in[j * L::kWidth + l];
+    }
+  }
+}
+
 template <int Bits, int Group, class A>
 void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>,
                        const AccumulateArgs<quant::NoParams>& args) noexcept {
@@ -404,9 +447,11 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   const quant::PageGeometry geometry{page, d};
   const std::size_t row_bytes = Codec::row_bytes(geometry);
   const std::size_t metas = static_cast<std::size_t>(page) * groups;
+  // 2-bit VNNI sums keep four vectors per 32 channels, each channel split over two lanes.
+  const index_t sums_stride = kKiviVnni<Bits, A> && Bits == 2 ? 2 * d : d;
   KiviValueScratch s{};
   s.sums = args.scratch;
-  s.min_sums = s.sums + static_cast<std::size_t>(args.group) * d;
+  s.min_sums = s.sums + static_cast<std::size_t>(args.group) * sums_stride;
   s.scaled = s.min_sums + static_cast<std::size_t>(args.group) * groups * kWidth;
   s.converted = s.scaled + static_cast<std::size_t>(args.group) * page;
   s.steps = s.converted + 2 * metas;
@@ -426,13 +471,13 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
     }
     const float* weights = args.weights + i * page;
 #if KVPACK_KERNELS_HAVE_VNNI
-    if constexpr (Bits == 4 && std::is_same_v<A, xsimd::avx512bw>) {
+    if constexpr (kKiviVnni<Bits, A>) {
       for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
         batch largest(0.0f);
         for (index_t t = 0; t < page; t += kWidth) {
           largest = xsimd::max(largest, batch::load_unaligned(weights + h * args.weight_stride + t));
         }
-        s.head_max[h] = simd::reduce_max<A>(largest);
+        s.head_max[h] = _mm512_reduce_max_ps(largest);
       }
     }
 #endif
@@ -451,15 +496,21 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
       }
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
 #if KVPACK_KERNELS_HAVE_VNNI
-      if constexpr (Bits == 4 && std::is_same_v<A, xsimd::avx512bw>) {
-        // 32 channels per step, in the lane order of KiviLanes<4, Group, avx512bw>.
+      if constexpr (kKiviVnni<Bits, A>) {
         kivi_vnni::quantize_scaled_weights(A{}, s.scaled, args.group, page, s.head_max,
-                                           simd::reduce_max<A>(largest_scale), s.scaled_int8, s.steps);
-        for (index_t k = 0; k < Group / 32; ++k) {
+                                           _mm512_reduce_max_ps(largest_scale), s.scaled_int8, s.steps);
+        for (index_t k = 0; k < Group / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
           for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-            kivi_vnni::accumulate_channels<decltype(block)::value>(
-                codes + 16 * k, row_bytes, page, s.scaled_int8 + static_cast<std::size_t>(h0) * page, s.steps + h0,
-                s.sums + h0 * d + gc * Group + 32 * k, d);
+            constexpr int kG = decltype(block)::value;
+            const auto* at = codes + 4 * Bits * k;
+            const std::int8_t* w8 = s.scaled_int8 + static_cast<std::size_t>(h0) * page;
+            // 4-bit: KiviLanes<4, Group, avx512bw>'s order; 2-bit: lane_pairs_in_order's.
+            float* out = s.sums + h0 * sums_stride + (gc * Group + 32 * k) * (sums_stride / d);
+            if constexpr (Bits == 4) {
+              kivi_vnni::accumulate_channels<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride);
+            } else {
+              kivi_vnni::accumulate_channels_2bit<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride);
+            }
           });
         }
         continue;
@@ -476,13 +527,7 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   }
   // Back to channel order, with each channel group's Σ w·m.
   for (index_t h = 0; h < args.group; ++h) {
-    for (index_t chunk = 0; chunk < d / L::kChunkElements; ++chunk) {
-      const float* in = s.sums + h * d + chunk * L::kChunkElements;
-      float* out = args.acc + h * d + chunk * L::kChunkElements;
-      for (int j = 0; j < L::kVectors; ++j) {
-        for (index_t l = 0; l < kWidth; ++l) out[L::element(j, l)] += in[j * kWidth + l];
-      }
-    }
+    add_value_sums_in_order<Bits, Group, A>(s.sums + h * sums_stride, d, args.acc + h * d);
     for (index_t gc = 0; gc < groups; ++gc) {
       const float min_sum = simd::reduce_sum<A>(batch::load_unaligned(s.min_sums + (h * groups + gc) * kWidth));
       for (index_t c = gc * Group; c < (gc + 1) * Group; ++c) args.acc[h * d + c] += min_sum;

@@ -1,7 +1,7 @@
 #pragma once
 /// \file kivi_vnni.hpp
-/// \brief The AVX-512 VNNI path of the fused 4-bit KIVI kernels (kivi.hpp): integer dot products
-///        on the packed codes instead of fp32 FMAs.
+/// \brief The AVX-512 VNNI path of the fused 2- and 4-bit KIVI kernels (kivi.hpp): integer dot
+///        products on the packed codes instead of fp32 FMAs.
 ///
 /// The operand that multiplies the codes is quantized:
 /// - keys: q·s (the query times the channel scales of a token group) to int16 per head, step
@@ -15,11 +15,18 @@
 ///   weight moves by at most 1/254 of the page's largest weight times the group's largest scale.
 /// The minimums' sums (Σ q·m, Σ w·m) stay in fp32. tests/support/error_bound.hpp holds the bound.
 ///
-/// Each step loads 16 bytes (32 codes) from four rows — four channels of one token group (keys)
-/// or four tokens of one channel chunk (values) — and transposes them with one dword permute and
-/// byte shuffles so that a lane holds the codes that share its operand; the low nibbles are
-/// elements 0, 2, ..., 30 of the 32, the high nibbles 1, 3, ..., 31 (KiviLanes<4, G, avx512bw>'s
-/// order).
+/// 4-bit codes: each step loads 16 bytes (32 codes) from four rows — four channels of one token
+/// group (keys) or four tokens of one channel chunk (values) — and transposes them with one dword
+/// permute and byte shuffles so that a lane holds the codes that share its operand; the low
+/// nibbles are elements 0, 2, ..., 30 of the 32, the high nibbles 1, 3, ..., 31
+/// (KiviLanes<4, G, avx512bw>'s order).
+///
+/// 2-bit codes: each step loads 8 bytes (32 codes) from eight rows — eight channels (keys) or
+/// eight tokens (values) — and one word permute gives 128-bit lane m bytes 2m and 2m + 1 of every
+/// row. Byte shuffles then put in each 32-bit lane the bytes of two channels (keys, widened to
+/// words) or four tokens (values) that meet one operand, alternating between two operands from
+/// lane to lane so that one 64-bit broadcast serves both; the four codes of a byte are shifted
+/// out into four vectors. Adjacent lanes are summed at the end (lane_pairs_in_order).
 
 #include <cstdint>
 #include <cstring>
@@ -175,6 +182,127 @@ KVPACK_ALWAYS_INLINE void accumulate_channels(const std::uint8_t* codes, std::si
     float* out = sums + h * head_dim;
     _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][0]), s, _mm512_loadu_ps(out)));
     _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][1]), s, _mm512_loadu_ps(out + 16)));
+  }
+}
+
+/// Eight 8-byte rows `stride` apart, row r in 64-bit lane r.
+KVPACK_ALWAYS_INLINE __m512i load_eight_rows(const std::uint8_t* p, std::size_t stride) noexcept {
+  if (stride == 8) return _mm512_loadu_si512(p);  // contiguous (keys of 32-token pages)
+  auto two = [&](std::size_t r) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + r * stride)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + (r + 1) * stride)));
+  };
+  __m512i rows = _mm512_castsi128_si512(two(0));
+  rows = _mm512_inserti32x4(rows, two(2), 1);
+  rows = _mm512_inserti32x4(rows, two(4), 2);
+  return _mm512_inserti32x4(rows, two(6), 3);
+}
+
+/// Bytes 2m and 2m + 1 of each of the eight rows into 128-bit lane m, row r at bytes 2r, 2r + 1.
+KVPACK_ALWAYS_INLINE __m512i byte_pairs_by_lane(__m512i rows) noexcept {
+  alignas(64) static constexpr std::int16_t kWords[32] = {0, 4, 8,  12, 16, 20, 24, 28, 1, 5, 9,  13, 17, 21, 25, 29,
+                                                          2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kWords), rows);
+}
+
+/// Code j (bits 2j, 2j + 1) of every byte of `packed`, in place.
+template <int J>
+KVPACK_ALWAYS_INLINE __m512i two_bit_codes(__m512i packed, __m512i mask) noexcept {
+  if constexpr (J == 0) return _mm512_and_si512(packed, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(packed, 2 * J), mask);
+}
+
+/// The four vectors of 2-bit sums, lane 4m + i holding element 4k + J for k = 2m + i / 2 (half of
+/// it in lane i even, half in lane i odd), as 32 sums in element order.
+KVPACK_ALWAYS_INLINE void lane_pairs_in_order(const __m512 (&sums)[4], __m512& first, __m512& second) noexcept {
+  auto pair_sums = [](__m512 x) {  // lane 2k: lanes 2k + 2k+1
+    return _mm512_add_ps(x, _mm512_castsi512_ps(_mm512_srli_epi64(_mm512_castps_si512(x), 32)));
+  };
+  auto odd_from = [](__m512 even, __m512 x) {  // lane 2k of x into lane 2k + 1
+    return _mm512_mask_blend_ps(0xAAAA, even, _mm512_castsi512_ps(_mm512_slli_epi64(_mm512_castps_si512(x), 32)));
+  };
+  // 64-bit lane k: elements 4k, 4k + 1 (e01) and 4k + 2, 4k + 3 (e23).
+  const __m512d e01 = _mm512_castps_pd(odd_from(pair_sums(sums[0]), pair_sums(sums[1])));
+  const __m512d e23 = _mm512_castps_pd(odd_from(pair_sums(sums[2]), pair_sums(sums[3])));
+  // 128-bit lane m: elements 8m .. 8m + 3 (low) and 8m + 4 .. 8m + 7 (high).
+  const __m512d low = _mm512_unpacklo_pd(e01, e23), high = _mm512_unpackhi_pd(e01, e23);
+  first = _mm512_castpd_ps(_mm512_permutex2var_pd(low, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), high));
+  second = _mm512_castpd_ps(_mm512_permutex2var_pd(low, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), high));
+}
+
+/// Scores of kG heads for 32 tokens of one 2-bit key group from the codes at `codes` (channel c's
+/// row row_bytes·c further on): step · Σ_c q16_c·code + bias, written in token order.
+template <int kG>
+KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
+                                            const std::int16_t* q16, const float* step, const float* bias,
+                                            float* scores, index_t stride) noexcept {
+  // Dword i of 128-bit lane m: channels (0, 1) for i even, (2, 3) for i odd — or (4, 5) and (6, 7)
+  // — each byte 2m + i / 2 widened to a word.
+  const __m512i pairs0123 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 2, -1, 4, -1, 6, -1, 1, -1, 3, -1, 5, -1, 7, -1));
+  const __m512i pairs4567 = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 10, -1, 12, -1, 14, -1, 9, -1, 11, -1, 13, -1, 15, -1));
+  const __m512i mask = _mm512_set1_epi16(3);
+  __m512i sum[kG][4];
+  for (auto& head : sum) head[0] = head[1] = head[2] = head[3] = _mm512_setzero_si512();
+  for (index_t c = 0; c < head_dim; c += 8) {
+    const __m512i bytes = byte_pairs_by_lane(load_eight_rows(codes + row_bytes * static_cast<std::size_t>(c), row_bytes));
+    const __m512i low = _mm512_shuffle_epi8(bytes, pairs0123), high = _mm512_shuffle_epi8(bytes, pairs4567);
+    const __m512i low_codes[4] = {two_bit_codes<0>(low, mask), two_bit_codes<1>(low, mask),
+                                  two_bit_codes<2>(low, mask), _mm512_srli_epi16(low, 6)};
+    const __m512i high_codes[4] = {two_bit_codes<0>(high, mask), two_bit_codes<1>(high, mask),
+                                   two_bit_codes<2>(high, mask), _mm512_srli_epi16(high, 6)};
+    KVPACK_UNROLL
+    for (int h = 0; h < kG; ++h) {
+      std::int64_t quads[2];  // the int16 query of channels c .. c + 3 and c + 4 .. c + 7
+      std::memcpy(quads, q16 + h * head_dim + c, sizeof(quads));
+      const __m512i q_low = _mm512_set1_epi64(quads[0]), q_high = _mm512_set1_epi64(quads[1]);
+      KVPACK_UNROLL
+      for (int j = 0; j < 4; ++j) sum[h][j] = dot_pairs(dot_pairs(sum[h][j], low_codes[j], q_low), high_codes[j], q_high);
+    }
+  }
+  for (int h = 0; h < kG; ++h) {
+    const __m512 s = _mm512_set1_ps(step[h]);
+    const __m512 scaled[4] = {_mm512_mul_ps(_mm512_cvtepi32_ps(sum[h][0]), s), _mm512_mul_ps(_mm512_cvtepi32_ps(sum[h][1]), s),
+                              _mm512_mul_ps(_mm512_cvtepi32_ps(sum[h][2]), s), _mm512_mul_ps(_mm512_cvtepi32_ps(sum[h][3]), s)};
+    __m512 first, second;
+    lane_pairs_in_order(scaled, first, second);
+    const __m512 b = _mm512_set1_ps(bias[h]);
+    _mm512_storeu_ps(scores + h * stride, _mm512_add_ps(first, b));
+    _mm512_storeu_ps(scores + h * stride + 16, _mm512_add_ps(second, b));
+  }
+}
+
+/// Sums of kG heads over one page for 32 channels of one 2-bit channel group, from the codes at
+/// `codes` (token t's row row_bytes·t further on): sums[h][0..63] += step_h · Σ_t w8·code, in the
+/// lane order lane_pairs_in_order puts back.
+template <int kG>
+KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
+                                                   const std::int8_t* w8, const float* step, float* sums,
+                                                   index_t sums_stride) noexcept {
+  // Dword i of 128-bit lane m: byte 2m + i / 2 of tokens 0..3 for i even, 4..7 for i odd.
+  const __m512i tokens = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m512i mask = _mm512_set1_epi8(3);
+  __m512i sum[kG][4];
+  for (auto& head : sum) head[0] = head[1] = head[2] = head[3] = _mm512_setzero_si512();
+  for (index_t t = 0; t < page_size; t += 8) {
+    const __m512i quads = _mm512_shuffle_epi8(
+        byte_pairs_by_lane(load_eight_rows(codes + row_bytes * static_cast<std::size_t>(t), row_bytes)), tokens);
+    const __m512i code[4] = {two_bit_codes<0>(quads, mask), two_bit_codes<1>(quads, mask),
+                             two_bit_codes<2>(quads, mask), two_bit_codes<3>(quads, mask)};
+    KVPACK_UNROLL
+    for (int h = 0; h < kG; ++h) {
+      std::int64_t weights;  // tokens t .. t + 3 and t + 4 .. t + 7
+      std::memcpy(&weights, w8 + static_cast<std::size_t>(h) * page_size + t, sizeof(weights));
+      const __m512i w = _mm512_set1_epi64(weights);
+      KVPACK_UNROLL
+      for (int j = 0; j < 4; ++j) sum[h][j] = dot_quads(sum[h][j], code[j], w);
+    }
+  }
+  for (int h = 0; h < kG; ++h) {
+    const __m512 s = _mm512_set1_ps(step[h]);
+    float* out = sums + h * sums_stride;
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_ps(out + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][j]), s, _mm512_loadu_ps(out + 16 * j)));
+    }
   }
 }
 
