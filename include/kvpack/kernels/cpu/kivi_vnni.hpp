@@ -126,6 +126,7 @@ KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t ro
   }
   const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  KVPACK_UNROLL  // the accumulators stay in registers
   for (int h = 0; h < kG; ++h) {
     const __m512 s = _mm512_set1_ps(step[h]), b = _mm512_set1_ps(bias[h]);
     const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][0]), s, b);
@@ -177,6 +178,7 @@ KVPACK_ALWAYS_INLINE void accumulate_channels(const std::uint8_t* codes, std::si
       sum[h][1] = dot_quads(sum[h][1], odd, quad);
     }
   }
+  KVPACK_UNROLL
   for (int h = 0; h < kG; ++h) {
     const __m512 s = _mm512_set1_ps(step[h]);
     float* out = sums + h * head_dim;
@@ -259,6 +261,7 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
       for (int j = 0; j < 4; ++j) sum[h][j] = dot_pairs(dot_pairs(sum[h][j], low_codes[j], q_low), high_codes[j], q_high);
     }
   }
+  KVPACK_UNROLL
   for (int h = 0; h < kG; ++h) {
     const __m512 s = _mm512_set1_ps(step[h]);
     const __m512 scaled[4] = {_mm512_mul_ps(_mm512_cvtepi32_ps(sum[h][0]), s), _mm512_mul_ps(_mm512_cvtepi32_ps(sum[h][1]), s),
@@ -297,9 +300,11 @@ KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, st
       for (int j = 0; j < 4; ++j) sum[h][j] = dot_quads(sum[h][j], code[j], w);
     }
   }
+  KVPACK_UNROLL
   for (int h = 0; h < kG; ++h) {
     const __m512 s = _mm512_set1_ps(step[h]);
     float* out = sums + h * sums_stride;
+    KVPACK_UNROLL
     for (int j = 0; j < 4; ++j) {
       _mm512_storeu_ps(out + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h][j]), s, _mm512_loadu_ps(out + 16 * j)));
     }
