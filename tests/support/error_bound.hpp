@@ -10,7 +10,7 @@
 //   max of the value scale) / kMax, kMax = 32767 (int16) or 127 (int8). Summed over a page of P
 //   slots, over pages, and divided by l = Σ p: Σ_pages P · (0.5/kMax) · max_p(page) ·
 //   max|v̂|(page) / l, times e^{4δ} for the kernel's own (perturbed) weights.
-// - KIVI-2 and KIVI-4 on AVX-512 (kernels/cpu/kivi_vnni.hpp) quantizes the operand that multiplies the raw
+// - KIVI-2 and KIVI-4 on AVX-512 (kernels/cpu/kivi_vnni.hpp) quantize the operand that multiplies the raw
 //   codes instead: q·s to int16 per head, so δ_t = max_c |q_c·s_tc| / 65534 · Σ_c code_tc
 //   (kInt16Codes); and w·s to int8 per page, head and channel group with the step
 //   (page max of p) · (group's max s) / 127, so each sum moves by at most (page max of p) / 254 ·
