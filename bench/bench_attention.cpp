@@ -5,6 +5,8 @@
 // read (>= 512 MiB) cannot stay in any cache, so the numbers are DRAM numbers.
 // BM_AttendInCache repeats one 1K-token layer (0.6–4 MiB: L2/L3-resident) instead: its kv_GBps is
 // the kernel's compute ceiling. A codec whose in-cache rate is near its DRAM rate is compute-bound.
+// BM_AttendPreRope stores the keys before RoPE (CacheConfig::key_rope, as the kvquant-* policies
+// do) and rotates them as they are read; its speedup_vs_fp16 is against fp16 stored after RoPE.
 //
 // Counters: kv_GBps (encoded bytes read per second: pages with their scales, plus the fp32 tail),
 // bytes_per_token (those bytes per token of one layer, all KV heads), GMACps (score and value
@@ -24,6 +26,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_codecs.hpp"
@@ -99,7 +102,8 @@ struct CacheFixture final : AttendFixture {
   SeqId seq = 0;
 
   /// `in_cache`: one layer, read again and again; otherwise enough layers to exceed the caches.
-  CacheFixture(index_t context, bool in_cache) {
+  /// `pre_rope`: keys stored before RoPE, at positions 0 .. context - 1.
+  CacheFixture(index_t context, bool in_cache, bool pre_rope) {
     // One layer's K and V: keys with a few large channels, as real models have.
     const std::size_t elements = static_cast<std::size_t>(context) * kLayerShape.kv_heads * kLayerShape.head_dim;
     std::vector<half> keys(elements), values(elements);
@@ -110,6 +114,7 @@ struct CacheFixture final : AttendFixture {
       values[i] = half(normal(rng));
     }
     CacheConfig config;
+    if (pre_rope) config.key_rope = RopeSpec{};
     config.executor = [this](index_t count, const std::function<void(index_t)>& task) {
       if (pool != nullptr) {
         (*pool)(count, task);
@@ -147,10 +152,10 @@ std::map<std::string, double>& fp16_seconds() {
 }
 
 template <class Quantizer>
-void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache) {
-  const std::string key = fmt::format("{}/{}/{}", Quantizer::name(), context, in_cache);
+void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache, bool pre_rope = false) {
+  const std::string key = fmt::format("{}/{}/{}/{}", Quantizer::name(), context, in_cache, pre_rope);
   AttendFixture& fixture = bench::shared_fixture<AttendFixture>(
-      key, [&] { return std::make_unique<CacheFixture<Quantizer>>(context, in_cache); });
+      key, [&] { return std::make_unique<CacheFixture<Quantizer>>(context, in_cache, pre_rope); });
   std::vector<float> q(static_cast<std::size_t>(kLayerShape.q_heads) * kLayerShape.head_dim);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -167,7 +172,9 @@ void attend_benchmark(benchmark::State& state, index_t context, int threads, boo
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double iterations = static_cast<double>(state.iterations());
   const std::string baseline_key = fmt::format("{}/{}/{}", context, threads, in_cache);
-  if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) fp16_seconds()[baseline_key] = seconds / iterations;
+  if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) {
+    if (!pre_rope) fp16_seconds()[baseline_key] = seconds / iterations;
+  }
   if (const auto it = fp16_seconds().find(baseline_key); it != fp16_seconds().end()) {
     state.counters["speedup_vs_fp16"] = it->second / (seconds / iterations);
   }
@@ -212,6 +219,20 @@ int main(int argc, char** argv) {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   });
+  // The codecs whose pre-RoPE key kernels the dispatch library precompiles.
+  auto register_pre_rope = [](auto quantizer) {
+    using Q = decltype(quantizer);
+    benchmark::RegisterBenchmark(fmt::format("BM_AttendPreRope<{}>/ctx:32768/threads:1", bench::row_name<Q>()).c_str(),
+                                 [](benchmark::State& s) { attend_benchmark<Q>(s, 32768, 1, false, true); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(fmt::format("BM_AttendPreRopeInCache<{}>/ctx:1024/threads:1", bench::row_name<Q>()).c_str(),
+                                 [](benchmark::State& s) { attend_benchmark<Q>(s, 1024, 1, true, true); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  };
+  std::apply([&](auto... q) { (register_pre_rope(q), ...); },
+             std::tuple<quant::Float<half>, quant::KVQuant<4>, quant::KVQuant<3>, quant::KVQuant<2>>{});
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

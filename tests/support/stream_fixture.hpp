@@ -96,16 +96,24 @@ struct StreamFixture {
     for (auto& m : masks) mask_pointers.push_back(m.data());
   }
 
-  /// Increasing positions with gaps, reaching past `first` + 10^5 (both parts of the RoPE tables).
-  void assign_positions(std::int32_t first, std::uint32_t seed) {
+  /// Increasing positions reaching past `first` + 10^5 (both parts of the RoPE tables). With
+  /// `gaps_everywhere`, a gap follows about one slot in four, so no page holds consecutive
+  /// positions (the kernels rotate row by row); otherwise the only gap follows slot 5 of page 1
+  /// (of the tail when there are fewer pages), and every other page is in order (slot tables).
+  void assign_positions(std::int32_t first, std::uint32_t seed, bool gaps_everywhere = true) {
     std::mt19937 rng(seed);
     std::int32_t next = first;
     positions.assign(pages.size() + 1, {});
+    const std::size_t gap_page = std::min<std::size_t>(1, pages.size());
     for (std::size_t i = 0; i <= pages.size(); ++i) {
       const std::size_t count = i < pages.size() ? geometry.page_size : tail_keys.size() / geometry.head_dim;
       for (std::size_t t = 0; t < count; ++t) {
         positions[i].push_back(next);
-        next += 1 + static_cast<std::int32_t>(rng() % 4 == 0 ? rng() % 5000 : 0);
+        if (gaps_everywhere) {
+          next += 1 + static_cast<std::int32_t>(rng() % 4 == 0 ? rng() % 5000 : 0);
+        } else {
+          next += i == gap_page && t == 5 ? 100003 : 1;
+        }
       }
     }
     position_pointers.clear();

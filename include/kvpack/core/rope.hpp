@@ -15,6 +15,10 @@
 /// angle-addition formulas: cos(a + b) = cos a cos b − sin a sin b, sin(a + b) = sin a cos b +
 /// cos a sin b. Both rows are rounded from double, so the result is within a few float ulps of
 /// the exact rotation at any position the tables cover.
+///
+/// A page written in order holds positions p0 + t. Since R(p0 + t) = R(p0)·R(t), its scores are
+/// (R(p0)ᵀq)·(R(t)k): the query turns back once per page and every slot turns by its offset t in
+/// the page, read from small channel-major tables (the slot tables) that stay in cache.
 
 #include <cmath>
 #include <cstddef>
@@ -43,7 +47,8 @@ struct RopeSpec {
   double theta = 10000.0;  ///< the base (Llama 2: 10^4, Llama 3: 5·10^5)
   RopePairing pairing = RopePairing::kAdjacent;
   /// The largest position the cache's tables cover (cost: head_dim · max_position / 128 bytes,
-  /// 1 MiB for head_dim 128 at the default 2^20); larger positions are rejected on write.
+  /// 1 MiB for head_dim 128 at the default 2^20, plus 1.25 MiB at head_dim 128 for the fine and
+  /// slot tables); larger positions are rejected on write.
   std::int64_t max_position = std::int64_t{1} << 20;
 
   void validate(index_t head_dim) const {
@@ -90,12 +95,18 @@ struct RopeView {
   const float* coarse_cos = nullptr;  ///< [coarse_rows][head_dim], angle hi · 2^kFineBits · θ_j
   const float* coarse_sin = nullptr;  ///< [coarse_rows][head_dim]
   const float* sign = nullptr;        ///< [head_dim]
+  /// Channel-major rotation by an offset t < kSlots: slot_cos[c·kSlots + t] = cos(t·θ_c) and
+  /// slot_sin[c·kSlots + t] = sign[c]·sin(t·θ_c).
+  const float* slot_cos = nullptr;  ///< [head_dim][kSlots]
+  const float* slot_sin = nullptr;  ///< [head_dim][kSlots]
   std::int64_t max_position = -1;     ///< positions beyond are clamped (the cache rejects them)
   index_t head_dim = 0;
   RopePairing pairing = RopePairing::kAdjacent;
 
   static constexpr int kFineBits = 10;
   static constexpr std::int64_t kFine = std::int64_t{1} << kFineBits;
+  /// Offsets the slot tables cover: CacheConfig's largest page.
+  static constexpr index_t kSlots = 256;
 };
 
 /// `out` = `in` rotated to `position` (or, with `inverse`, back from it) through the tables: the
@@ -145,6 +156,16 @@ class RopeTables {
     for (index_t c = 0; c < head_dim; ++c) {
       sign_[c] = (spec.pairing == RopePairing::kAdjacent ? c % 2 == 0 : c < head_dim / 2) ? -1.0f : 1.0f;
     }
+    slot_cos_.resize(static_cast<std::size_t>(head_dim) * RopeView::kSlots);
+    slot_sin_.resize(slot_cos_.size());
+    for (index_t c = 0; c < head_dim; ++c) {
+      for (index_t t = 0; t < RopeView::kSlots; ++t) {
+        const double angle = static_cast<double>(t) * frequency[c];
+        const std::size_t i = static_cast<std::size_t>(c) * RopeView::kSlots + t;
+        slot_cos_[i] = static_cast<float>(std::cos(angle));
+        slot_sin_[i] = sign_[c] * static_cast<float>(std::sin(angle));
+      }
+    }
     max_position_ = spec.max_position;
   }
 
@@ -164,18 +185,18 @@ class RopeTables {
   }
 
   [[nodiscard]] RopeView view() const noexcept {
-    return {fine_cos_.data(), fine_sin_.data(), coarse_cos_.data(), coarse_sin_.data(), sign_.data(), max_position_,
-            head_dim_, pairing_};
+    return {fine_cos_.data(), fine_sin_.data(), coarse_cos_.data(), coarse_sin_.data(), sign_.data(),
+            slot_cos_.data(), slot_sin_.data(), max_position_, head_dim_, pairing_};
   }
   [[nodiscard]] std::int64_t max_position() const noexcept { return max_position_; }
   [[nodiscard]] std::size_t bytes() const noexcept {
     return (fine_cos_.capacity() + fine_sin_.capacity() + coarse_cos_.capacity() + coarse_sin_.capacity() +
-            sign_.capacity()) *
+            sign_.capacity() + slot_cos_.capacity() + slot_sin_.capacity()) *
            sizeof(float);
   }
 
  private:
-  std::vector<float> fine_cos_, fine_sin_, coarse_cos_, coarse_sin_, sign_;
+  std::vector<float> fine_cos_, fine_sin_, coarse_cos_, coarse_sin_, sign_, slot_cos_, slot_sin_;
   index_t head_dim_ = 0;
   RopePairing pairing_ = RopePairing::kAdjacent;
   std::int64_t max_position_ = -1;

@@ -123,9 +123,9 @@ TEST_CASE("pre-RoPE tables are shared between caches and reported apart from tot
   config.key_rope = RopeSpec{};
   KVCache<layout::GQA, quant::Float<half>> with(kShape, config), again(kShape, config), without(kShape);
   CHECK(without.memory().shared_tables == 0);
-  // cos and sin rows of head_dim floats: 2^10 fine rows and max_position / 2^10 + 1 coarse ones,
-  // and the sign row.
-  const std::size_t rows = 1024 + (std::size_t{1} << 20) / 1024 + 1;
+  // cos and sin rows of head_dim floats: 2^10 fine rows, max_position / 2^10 + 1 coarse ones and
+  // the 256 in-page offsets of the slot tables; and the sign row.
+  const std::size_t rows = 1024 + (std::size_t{1} << 20) / 1024 + 1 + 256;
   CHECK(with.memory().shared_tables == 2 * rows * kShape.head_dim * sizeof(float) + kShape.head_dim * sizeof(float));
   CHECK(with.memory().total() == without.memory().total());
   CHECK(RopeTables::shared(RopeSpec{}, kShape.head_dim) == RopeTables::shared(RopeSpec{}, kShape.head_dim));

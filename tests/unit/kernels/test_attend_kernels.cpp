@@ -27,15 +27,17 @@ using test::error_bound;
 using test::make_quantizer;
 using test::StreamFixture;
 
+/// With `rope`, keys are stored before RoPE and scored at positions with gaps everywhere, or (with
+/// `in_order`) in order but for one gap.
 template <class Quantizer>
 void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, index_t tail_count,
                     index_t group, std::vector<float> keys, std::vector<float> values,
-                    std::vector<float> queries, bool dead_slots, const RopeSpec* rope = nullptr) {
+                    std::vector<float> queries, bool dead_slots, const RopeSpec* rope = nullptr, bool in_order = false) {
   using KeyCodec = typename Quantizer::key_codec;
   using ValueCodec = typename Quantizer::value_codec;
   StreamFixture<Quantizer> f(page_size, head_dim, page_count, tail_count, keys, values);
   if (dead_slots && page_count > 0) f.kill_some_slots(7);
-  f.assign_positions(rope != nullptr ? 12345 : 0, 8);
+  f.assign_positions(rope != nullptr ? 12345 : 0, 8, !in_order);
   const kernels::reference::ReferenceRope reference_rope{rope != nullptr ? *rope : RopeSpec{},
                                                          f.position_pointers.data(), f.positions.back().data()};
   const RopeTables tables = rope != nullptr ? RopeTables(*rope, head_dim) : RopeTables();
@@ -60,7 +62,7 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
     const double bound = error_bound(f, queries, group, vnni_path, rope);
     DYNAMIC_SECTION("isa " << kernels::cpu::isa_name<Arch>() << " P=" << page_size << " d=" << head_dim
                            << " pages=" << page_count << " tail=" << tail_count << " g=" << group
-                           << (rope != nullptr ? " pre-RoPE keys" : "")) {
+                           << (rope != nullptr ? " pre-RoPE keys" : "") << (in_order ? " in order" : "")) {
       for (std::size_t i = 0; i < out.size(); ++i) {
         if (!std::isfinite(expected[i])) {
           // Which non-finite value comes out can differ: a weight that underflows to 0 in fp32
@@ -198,9 +200,12 @@ TEMPLATE_TEST_CASE("every ISA rotates pre-RoPE keys like the double-precision re
       const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
       auto queries = test::random_rows(c.group, c.head_dim, 73, 4, 3.0f);
       for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
-      check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group,
-                               test::random_rows(rows, c.head_dim, 71, 4, 10.0f), test::random_rows(rows, c.head_dim, 72),
-                               queries, c.pages > 2, &rope);
+      const auto keys = test::random_rows(rows, c.head_dim, 71, 4, 10.0f);
+      const auto values = test::random_rows(rows, c.head_dim, 72);
+      for (bool in_order : {false, true}) {
+        check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, c.pages > 2,
+                                 &rope, in_order);
+      }
     }
   }
 }
@@ -225,6 +230,8 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KVQuant, post- and pre-R
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true);
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true, &rope);
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true, &rope,
+                             true);
   }
 }
 

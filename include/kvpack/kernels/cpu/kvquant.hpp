@@ -4,8 +4,8 @@
 ///        sums are computed from the packed codes through a 16-lane table of the codebook's levels
 ///        (one permute per vector of codes), the per-vector ranges folded into the operand that
 ///        multiplies them (the query for keys, the weights for values), and each outlier added as
-///        a correction x − x̂. Pre-RoPE keys are still decoded to fp32 rows for rope.hpp's
-///        rotation (unpacked channel-major as stored, then transposed).
+///        a correction x − x̂. Pre-RoPE keys are decoded to fp32 for rope.hpp's rotation:
+///        channel-major tiles as stored, or rows by a transpose.
 ///
 /// Codes are read eight at a time: eight b-bit codes are exactly b bytes, one little-endian word.
 
@@ -221,10 +221,20 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   }
 }
 
-/// Pre-RoPE keys: token-major, for rope.hpp's rotation (which must be included after this file
-/// to see this overload). Rows are unpacked whole vectors at a time into `spare`, channel-major
-/// as they are stored, and transposed: writing each code to its token's row directly costs a
-/// shift, a mask, a load and a strided store per code.
+/// Pre-RoPE keys in a page written in order: a channel-major fp32 tile, as the codes are stored.
+/// rope.hpp must be included after this file to see this overload and the next.
+template <int Bits, class A>
+void decode_channel_major(A arch, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
+                          const DecodePlaneArgs<quant::KVQuantKeyCodec<Bits>>& args) noexcept {
+  unpack_nuq_keys<Bits>(arch, quant::PageGeometry{args.page_size, args.head_dim}, args.plane, args.params, args.out, 1,
+                        static_cast<std::size_t>(args.page_size));
+}
+
+/// Pre-RoPE keys in any other page: token-major, for a rotation per row. Rows are unpacked whole
+/// vectors at a time into `spare`, channel-major as they are stored, and transposed: writing
+/// each code to its token's row directly costs a shift, a mask, a load and a strided store per
+/// code.
+
 template <int Bits, class A>
 KVPACK_ALWAYS_INLINE void decode_key_rows(A arch, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
                                           quant::PageGeometry g, const std::byte* plane,
