@@ -184,14 +184,19 @@ constexpr int kivi_max_heads() noexcept {
   return heads >= 8 ? 8 : heads >= 4 ? 4 : heads >= 2 ? 2 : 1;
 }
 
-/// Whether A takes kivi_vnni.hpp's integer dot products for Bits-bit codes.
-template <int Bits, class A>
+/// Whether A takes kivi_vnni.hpp's integer dot products (both code widths).
+template <class A>
 inline constexpr bool kKiviVnni =
 #if KVPACK_KERNELS_HAVE_VNNI
     std::is_same_v<A, xsimd::avx512bw>;
 #else
     false;
 #endif
+
+/// Whether A's value sums for Bits-bit codes split each channel over two lanes (2-bit VNNI:
+/// four vectors per 32 channels, put back in order once per call).
+template <int Bits, class A>
+inline constexpr bool kKiviSplitValueLanes = kKiviVnni<A> && Bits == 2;
 
 /// A per-token plane (values, or the ablation's keys) as fp32, token-major (`tile[t·head_dim + c]`).
 template <int Bits, int Group, Plane kPlane, class A>
@@ -287,7 +292,7 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
     for (index_t tg = 0; tg < run.page_size / Group; ++tg) {
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + tg * L::kGroupBytes;
 #if KVPACK_KERNELS_HAVE_VNNI
-      if constexpr (kKiviVnni<Bits, A>) {
+      if constexpr (kKiviVnni<A>) {
         const std::size_t meta = static_cast<std::size_t>(tg) * d * 2;
         auto* q16 = reinterpret_cast<std::int16_t*>(bias + 2 * args.group);  // [group][head_dim]
         if (d % 16 == 0 &&  // whole vectors of channels
@@ -412,7 +417,7 @@ KVPACK_ALWAYS_INLINE void accumulate_kivi_chunk(const std::uint8_t* codes, std::
 template <int Bits, int Group, class A>
 KVPACK_ALWAYS_INLINE void add_value_sums_in_order(const float* sums, index_t head_dim, float* acc) noexcept {
 #if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (kKiviVnni<Bits, A> && Bits == 2) {
+  if constexpr (kKiviSplitValueLanes<Bits, A>) {
     for (index_t c = 0; c < head_dim; c += 32) {
       const float* in = sums + 2 * c;
       const __m512 lanes[4] = {_mm512_loadu_ps(in), _mm512_loadu_ps(in + 16), _mm512_loadu_ps(in + 32),
@@ -447,8 +452,7 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   const quant::PageGeometry geometry{page, d};
   const std::size_t row_bytes = Codec::row_bytes(geometry);
   const std::size_t metas = static_cast<std::size_t>(page) * groups;
-  // 2-bit VNNI sums keep four vectors per 32 channels, each channel split over two lanes.
-  const index_t sums_stride = kKiviVnni<Bits, A> && Bits == 2 ? 2 * d : d;
+  const index_t sums_stride = kKiviSplitValueLanes<Bits, A> ? 2 * d : d;
   KiviValueScratch s{};
   s.sums = args.scratch;
   s.min_sums = s.sums + static_cast<std::size_t>(args.group) * sums_stride;
@@ -471,7 +475,7 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
     }
     const float* weights = args.weights + i * page;
 #if KVPACK_KERNELS_HAVE_VNNI
-    if constexpr (kKiviVnni<Bits, A>) {
+    if constexpr (kKiviVnni<A>) {
       for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
         batch largest(0.0f);
         for (index_t t = 0; t < page; t += kWidth) {
@@ -496,7 +500,7 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
       }
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
 #if KVPACK_KERNELS_HAVE_VNNI
-      if constexpr (kKiviVnni<Bits, A>) {
+      if constexpr (kKiviVnni<A>) {
         kivi_vnni::quantize_scaled_weights(A{}, s.scaled, args.group, page, s.head_max,
                                            _mm512_reduce_max_ps(largest_scale), s.scaled_int8, s.steps);
         for (index_t k = 0; k < Group / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
