@@ -160,52 +160,47 @@ KVPACK_ALWAYS_INLINE void score_turned_page(const RopeView& rope, index_t page_s
   }
 }
 
-/// A page written in order, for every codec: decoded to a channel-major fp32 tile
-/// ([head_dim][page_size]; `spare` is [page_size][head_dim] for the decoder), then scored.
+/// The element type of a key plane stored as plain elements, channel-major (Float, FP8), which
+/// the kernels read in place; void for every other codec.
+template <class Codec>
+struct KeyElements {
+  using type = void;
+};
+template <class T>
+struct KeyElements<quant::FloatCodec<T, Plane::kKey>> {
+  using type = T;
+};
+template <class Format>
+struct KeyElements<quant::FP8Codec<Format, Plane::kKey>> {
+  using type = Format;
+};
+
+/// A page written in order: element formats read in place, every other codec decoded to a
+/// channel-major fp32 tile first ([head_dim][page_size]; `spare` is [page_size][head_dim] for the
+/// decoder).
 template <class KeyCodec, class A>
 KVPACK_ALWAYS_INLINE void score_page_in_order(A arch, std::type_identity<KeyCodec> codec, const RopeView& rope,
                                               const PageRun& run, const std::byte* plane,
                                               const typename KeyCodec::params_type& params,
                                               const float* turned_queries, index_t group, float* scores,
                                               index_t stride, float* tile, float* spare) noexcept {
-  const KeyCodec key_codec{};
+  using Elements = typename KeyElements<KeyCodec>::type;
   const index_t page = run.page_size;
-  decode_channel_major(arch, codec, DecodePlaneArgs<KeyCodec>{&key_codec, params, plane, page, run.head_dim, tile, spare});
-  score_turned_page<A>(rope, page, run.head_dim, turned_queries, group, 1.0f, scores, stride,
-                       [tile, page](index_t c, index_t t) KVPACK_ALWAYS_INLINE_LAMBDA {
-                         return simd::f32<A>::load_unaligned(tile + static_cast<std::size_t>(c) * page + t);
-                       });
-}
-
-/// Element formats: the key plane is channel-major already, so the page is read in place.
-template <class Storage, class Params, class A>
-KVPACK_ALWAYS_INLINE void score_element_page_in_order(const RopeView& rope, const PageRun& run, const std::byte* plane,
-                                                      const Params& params, const float* turned_queries,
-                                                      index_t group, float* scores, index_t stride) noexcept {
-  const std::size_t page = static_cast<std::size_t>(run.page_size);
-  score_turned_page<A>(rope, run.page_size, run.head_dim, turned_queries, group,
-                       plane_scale(params) / kLoadFactor<Storage>, scores, stride,
-                       [plane, page](index_t c, index_t t) KVPACK_ALWAYS_INLINE_LAMBDA {
-                         return load_elements<Storage, A>(plane, static_cast<std::size_t>(c) * page + t);
-                       });
-}
-
-template <class T, class A>
-KVPACK_ALWAYS_INLINE void score_page_in_order(A, std::type_identity<quant::FloatCodec<T, Plane::kKey>>,
-                                              const RopeView& rope, const PageRun& run, const std::byte* plane,
-                                              const quant::NoParams& params, const float* turned_queries,
-                                              index_t group, float* scores, index_t stride, float*, float*) noexcept {
-  score_element_page_in_order<T, quant::NoParams, A>(rope, run, plane, params, turned_queries, group, scores,
-                                                         stride);
-}
-
-template <class Format, class A>
-KVPACK_ALWAYS_INLINE void score_page_in_order(A, std::type_identity<quant::FP8Codec<Format, Plane::kKey>>,
-                                              const RopeView& rope, const PageRun& run, const std::byte* plane,
-                                              const quant::FP8Params& params, const float* turned_queries,
-                                              index_t group, float* scores, index_t stride, float*, float*) noexcept {
-  score_element_page_in_order<Format, quant::FP8Params, A>(rope, run, plane, params, turned_queries, group, scores,
-                                                            stride);
+  const std::size_t rows = static_cast<std::size_t>(page);
+  if constexpr (!std::is_void_v<Elements>) {
+    score_turned_page<A>(rope, page, run.head_dim, turned_queries, group, plane_scale(params) / kLoadFactor<Elements>,
+                         scores, stride, [plane, rows](index_t c, index_t t) KVPACK_ALWAYS_INLINE_LAMBDA {
+                           return load_elements<Elements, A>(plane, static_cast<std::size_t>(c) * rows + t);
+                         });
+  } else {
+    const KeyCodec key_codec{};
+    decode_channel_major(arch, codec,
+                         DecodePlaneArgs<KeyCodec>{&key_codec, params, plane, page, run.head_dim, tile, spare});
+    score_turned_page<A>(rope, page, run.head_dim, turned_queries, group, 1.0f, scores, stride,
+                         [tile, rows](index_t c, index_t t) KVPACK_ALWAYS_INLINE_LAMBDA {
+                           return simd::f32<A>::load_unaligned(tile + static_cast<std::size_t>(c) * rows + t);
+                         });
+  }
 }
 
 /// A key page as token-major fp32 rows: the codec's own scalar decoder, for every codec without
