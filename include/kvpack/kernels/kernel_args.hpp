@@ -115,8 +115,9 @@ struct DecodePlaneArgs {
   const std::size_t staging = 4 * static_cast<std::size_t>(group) * (head_dim + page_size * blocks + blocks) +
                               4 * static_cast<std::size_t>(page_size) * blocks + 256;
   // Two pages decoded to fp32 (a pre-RoPE key page and its rotation), plus
-  // [group][page_size + 2·head_dim] for their reordering or for per-head vectors (TurboQuant's
-  // rotated and sketched queries, or its rotated sums).
+  // [group][page_size + 2·head_dim] for their reordering or for per-head vectors (the queries
+  // turned back for a pre-RoPE page, TurboQuant's rotated and sketched queries, or its rotated
+  // sums).
   const std::size_t page_tile = 2 * static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) +
                                 static_cast<std::size_t>(group) * static_cast<std::size_t>(page_size + 2 * head_dim);
   return staging > page_tile ? staging : page_tile;

@@ -224,10 +224,10 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
 /// Pre-RoPE keys in a page written in order: a channel-major fp32 tile, as the codes are stored.
 /// rope.hpp must be included after this file to see this overload and the next.
 template <int Bits, class A>
-void decode_channel_major(A arch, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
-                          const DecodePlaneArgs<quant::KVQuantKeyCodec<Bits>>& args) noexcept {
-  unpack_nuq_keys<Bits>(arch, quant::PageGeometry{args.page_size, args.head_dim}, args.plane, args.params, args.out, 1,
-                        static_cast<std::size_t>(args.page_size));
+KVPACK_ALWAYS_INLINE void decode_key_tile(A arch, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
+                                          quant::PageGeometry g, const std::byte* plane,
+                                          const quant::KVQuantKeyParams& params, float* tile, float* /*spare*/) noexcept {
+  unpack_nuq_keys<Bits>(arch, g, plane, params, tile, 1, static_cast<std::size_t>(g.page_size));
 }
 
 /// Pre-RoPE keys in any other page: token-major, for a rotation per row. Rows are unpacked whole

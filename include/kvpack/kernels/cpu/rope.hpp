@@ -3,16 +3,18 @@
 /// \brief Scoring keys stored before RoPE.
 ///
 /// A page whose slots hold consecutive positions p0 + t (a page written in order: the usual case)
-/// is decoded to a channel-major fp32 tile, the queries are turned back by p0 once, and each slot
-/// is turned by its offset t from the slot tables inside the fp32 key loop (core/rope.hpp). Any
-/// other page is decoded to token-major rows, every row rotated to its own position through the
-/// two-part tables, then scored like the tail's full-precision rows.
+/// is scored against the queries turned back by p0 once, each slot turned by its offset t from
+/// the slot tables inside the fp32 key loop (core/rope.hpp); element formats are read in place,
+/// other codecs decoded to a channel-major fp32 tile first. Any other page is decoded to
+/// token-major rows, every row rotated to its own position through the two-part tables, then
+/// scored like the tail's full-precision rows.
 ///
-/// Tiles come from `decode_channel_major(arch, codec, ...)` (channel_major.hpp, and the codecs'
-/// own overloads), rows from `decode_key_rows(arch, codec, ...)`: codecs with a fast unpacker
-/// overload it (declared before this file is included); every other codec falls back to its
-/// scalar reference decoder, so any key codec can be stored pre-RoPE (slowly) and the fast ones
-/// are those the dispatch library precompiles.
+/// Rows come from `decode_key_rows(arch, codec, ...)`, tiles from `decode_key_tile(arch, codec,
+/// ...)`: codecs with a fast unpacker overload them (declared before this file is included);
+/// every other codec falls back to its scalar reference decoder (and a transpose for tiles), so
+/// any key codec can be stored pre-RoPE (slowly) and the fast ones are those the dispatch library
+/// precompiles. Nothing here constructs a codec that has an overload: a codec holding tables
+/// would otherwise put their untagged destructors into the per-ISA objects (STYLE.md §5.2).
 
 #include <cstdint>
 #include <type_traits>
@@ -160,6 +162,25 @@ KVPACK_ALWAYS_INLINE void score_turned_page(const RopeView& rope, index_t page_s
   }
 }
 
+/// A key page as token-major fp32 rows: the codec's own scalar decoder, for every codec without
+/// a faster overload. `spare` (page_size · head_dim floats) is free for an overload's staging.
+template <class KeyCodec, class A>
+KVPACK_ALWAYS_INLINE void decode_key_rows(A, std::type_identity<KeyCodec>, quant::PageGeometry g,
+                                          const std::byte* plane, const typename KeyCodec::params_type& params,
+                                          float* rows, float* /*spare*/) noexcept {
+  KeyCodec{}.decode(g, plane, params, rows);
+}
+
+/// A key page as a channel-major fp32 tile ([head_dim][page_size]): its rows, transposed, for
+/// every codec without a faster overload. `spare` (page_size · head_dim floats) holds the rows.
+template <class KeyCodec, class A>
+KVPACK_ALWAYS_INLINE void decode_key_tile(A arch, std::type_identity<KeyCodec> codec, quant::PageGeometry g,
+                                          const std::byte* plane, const typename KeyCodec::params_type& params,
+                                          float* tile, float* spare) noexcept {
+  decode_key_rows(arch, codec, g, plane, params, spare, tile);
+  transpose_rows(spare, g.page_size, g.head_dim, tile);
+}
+
 /// The element type of a key plane stored as plain elements, channel-major (Float, FP8), which
 /// the kernels read in place; void for every other codec.
 template <class Codec>
@@ -193,23 +214,12 @@ KVPACK_ALWAYS_INLINE void score_page_in_order(A arch, std::type_identity<KeyCode
                            return load_elements<Elements, A>(plane, static_cast<std::size_t>(c) * rows + t);
                          });
   } else {
-    const KeyCodec key_codec{};
-    decode_channel_major(arch, codec,
-                         DecodePlaneArgs<KeyCodec>{&key_codec, params, plane, page, run.head_dim, tile, spare});
+    decode_key_tile(arch, codec, quant::PageGeometry{page, run.head_dim}, plane, params, tile, spare);
     score_turned_page<A>(rope, page, run.head_dim, turned_queries, group, 1.0f, scores, stride,
                          [tile, rows](index_t c, index_t t) KVPACK_ALWAYS_INLINE_LAMBDA {
                            return simd::f32<A>::load_unaligned(tile + static_cast<std::size_t>(c) * rows + t);
                          });
   }
-}
-
-/// A key page as token-major fp32 rows: the codec's own scalar decoder, for every codec without
-/// a faster overload. `spare` (page_size · head_dim floats) is free for an overload's staging.
-template <class KeyCodec, class A>
-KVPACK_ALWAYS_INLINE void decode_key_rows(A, std::type_identity<KeyCodec>, quant::PageGeometry g,
-                                          const std::byte* plane, const typename KeyCodec::params_type& params,
-                                          float* rows, float* /*spare*/) noexcept {
-  KeyCodec{}.decode(g, plane, params, rows);
 }
 
 template <class KeyCodec, class A>
@@ -220,8 +230,10 @@ void score_rotated_keys(A arch, std::type_identity<KeyCodec> codec,
   const index_t page = run.page_size;
   const index_t d = run.head_dim;
   const RopeView& rope = args.rope;
-  float* decoded = score.scratch;                                      // [page_size][head_dim]
-  float* rotated = decoded + static_cast<std::size_t>(page) * d;       // [page_size][head_dim]
+  // A page's decoded keys (rows, or a channel-major tile), its rotated rows (or the decoder's
+  // spare), and the queries turned back to a page's first position.
+  float* decoded = score.scratch;                                        // page_size · head_dim
+  float* rotated = decoded + static_cast<std::size_t>(page) * d;         // page_size · head_dim
   float* turned_queries = rotated + static_cast<std::size_t>(page) * d;  // [group][head_dim]
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
