@@ -7,6 +7,8 @@
 // the kernel's compute ceiling. A codec whose in-cache rate is near its DRAM rate is compute-bound.
 // BM_AttendPreRope stores the keys before RoPE (CacheConfig::key_rope, as the kvquant-* policies
 // do) and rotates them as they are read; its speedup_vs_fp16 is against fp16 stored after RoPE.
+// BM_AttendPreRopeGapsInCache does so for pages whose positions have gaps (evict::SnapKV kept 1K
+// of 4K prompt tokens per KV head): every page is decoded to rows and each row rotated on its own.
 //
 // Counters: kv_GBps (encoded bytes read per second: pages with their scales, plus the fp32 tail),
 // bytes_per_token (those bytes per token of one layer, all KV heads), GMACps (score and value
@@ -94,18 +96,24 @@ struct AttendFixture {
   std::size_t bytes_per_layer = 0;
 };
 
-template <class Quantizer>
+/// How a fixture stores its keys: after RoPE; before RoPE at positions 0 .. context - 1; or
+/// before RoPE with gaps, evict::SnapKV keeping `context` of 4 · context prompt tokens per KV head.
+enum class KeyStorage { kPostRope, kPreRope, kPreRopeGaps };
+
+template <class Quantizer, class Evictor = evict::KeepAll>
 struct CacheFixture final : AttendFixture {
-  using Cache = KVCache<layout::GQA, Quantizer>;
+  using Cache = KVCache<layout::GQA, Quantizer, Evictor>;
+  static constexpr index_t kGapFactor = 4;  // prompt tokens per kept token with kPreRopeGaps
   ThreadPool* pool = nullptr;  // read by the cache's executor on every attend
   std::unique_ptr<Cache> cache;
   SeqId seq = 0;
 
   /// `in_cache`: one layer, read again and again; otherwise enough layers to exceed the caches.
-  /// `pre_rope`: keys stored before RoPE, at positions 0 .. context - 1.
-  CacheFixture(index_t context, bool in_cache, bool pre_rope) {
+  CacheFixture(index_t context, bool in_cache, KeyStorage storage) {
+    const bool gaps = storage == KeyStorage::kPreRopeGaps;
+    const index_t prompt = gaps ? kGapFactor * context : context;
     // One layer's K and V: keys with a few large channels, as real models have.
-    const std::size_t elements = static_cast<std::size_t>(context) * kLayerShape.kv_heads * kLayerShape.head_dim;
+    const std::size_t elements = static_cast<std::size_t>(prompt) * kLayerShape.kv_heads * kLayerShape.head_dim;
     std::vector<half> keys(elements), values(elements);
     std::mt19937 rng(42);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -114,7 +122,7 @@ struct CacheFixture final : AttendFixture {
       values[i] = half(normal(rng));
     }
     CacheConfig config;
-    if (pre_rope) config.key_rope = RopeSpec{};
+    if (storage != KeyStorage::kPostRope) config.key_rope = RopeSpec{};
     config.executor = [this](index_t count, const std::function<void(index_t)>& task) {
       if (pool != nullptr) {
         (*pool)(count, task);
@@ -132,10 +140,18 @@ struct CacheFixture final : AttendFixture {
                             : static_cast<index_t>(std::max<std::size_t>(
                                   2, (kWorkingSetBytes + bytes_per_layer - 1) / bytes_per_layer));
     layers = shape.layers;
-    cache = std::make_unique<Cache>(shape, config, bench::make_quantizer<Quantizer>(shape));
+    Evictor evictor;
+    std::vector<half> observation;  // the last prompt queries, which SnapKV ranks the tokens by
+    if constexpr (!std::is_same_v<Evictor, evict::KeepAll>) {
+      evictor.budget.tokens = context;
+      observation.resize(static_cast<std::size_t>(evictor.window) * kLayerShape.q_heads * kLayerShape.head_dim);
+      for (half& x : observation) x = half(normal(rng));
+    }
+    cache = std::make_unique<Cache>(shape, config, bench::make_quantizer<Quantizer>(shape), layout::GQA{}, evictor);
     seq = cache->add_sequence();
     for (index_t layer = 0; layer < shape.layers; ++layer) {
-      cache->prefill(seq, layer, std::span<const half>(keys), std::span<const half>(values));
+      cache->prefill(seq, layer, std::span<const half>(keys), std::span<const half>(values),
+                     std::span<const half>(observation));
     }
   }
 
@@ -152,10 +168,15 @@ std::map<std::string, double>& fp16_seconds() {
 }
 
 template <class Quantizer>
-void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache, bool pre_rope = false) {
-  const std::string key = fmt::format("{}/{}/{}/{}", Quantizer::name(), context, in_cache, pre_rope);
-  AttendFixture& fixture = bench::shared_fixture<AttendFixture>(
-      key, [&] { return std::make_unique<CacheFixture<Quantizer>>(context, in_cache, pre_rope); });
+void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache,
+                      KeyStorage storage = KeyStorage::kPostRope) {
+  const std::string key = fmt::format("{}/{}/{}/{}", Quantizer::name(), context, in_cache, static_cast<int>(storage));
+  AttendFixture& fixture = bench::shared_fixture<AttendFixture>(key, [&]() -> std::unique_ptr<AttendFixture> {
+    if (storage == KeyStorage::kPreRopeGaps) {
+      return std::make_unique<CacheFixture<Quantizer, evict::SnapKV<>>>(context, in_cache, storage);
+    }
+    return std::make_unique<CacheFixture<Quantizer>>(context, in_cache, storage);
+  });
   std::vector<float> q(static_cast<std::size_t>(kLayerShape.q_heads) * kLayerShape.head_dim);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -173,7 +194,7 @@ void attend_benchmark(benchmark::State& state, index_t context, int threads, boo
   const double iterations = static_cast<double>(state.iterations());
   const std::string baseline_key = fmt::format("{}/{}/{}", context, threads, in_cache);
   if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) {
-    if (!pre_rope) fp16_seconds()[baseline_key] = seconds / iterations;
+    if (storage == KeyStorage::kPostRope) fp16_seconds()[baseline_key] = seconds / iterations;
   }
   if (const auto it = fp16_seconds().find(baseline_key); it != fp16_seconds().end()) {
     state.counters["speedup_vs_fp16"] = it->second / (seconds / iterations);
@@ -222,12 +243,20 @@ int main(int argc, char** argv) {
   // The codecs whose pre-RoPE key kernels the dispatch library precompiles.
   auto register_pre_rope = [](auto quantizer) {
     using Q = decltype(quantizer);
-    benchmark::RegisterBenchmark(fmt::format("BM_AttendPreRope<{}>/ctx:32768/threads:1", bench::row_name<Q>()).c_str(),
-                                 [](benchmark::State& s) { attend_benchmark<Q>(s, 32768, 1, false, true); })
+    const std::string name = bench::row_name<Q>();
+    benchmark::RegisterBenchmark(
+        fmt::format("BM_AttendPreRope<{}>/ctx:32768/threads:1", name).c_str(),
+        [](benchmark::State& s) { attend_benchmark<Q>(s, 32768, 1, false, KeyStorage::kPreRope); })
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(fmt::format("BM_AttendPreRopeInCache<{}>/ctx:1024/threads:1", bench::row_name<Q>()).c_str(),
-                                 [](benchmark::State& s) { attend_benchmark<Q>(s, 1024, 1, true, true); })
+    benchmark::RegisterBenchmark(
+        fmt::format("BM_AttendPreRopeInCache<{}>/ctx:1024/threads:1", name).c_str(),
+        [](benchmark::State& s) { attend_benchmark<Q>(s, 1024, 1, true, KeyStorage::kPreRope); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(
+        fmt::format("BM_AttendPreRopeGapsInCache<{}>/ctx:1024/threads:1", name).c_str(),
+        [](benchmark::State& s) { attend_benchmark<Q>(s, 1024, 1, true, KeyStorage::kPreRopeGaps); })
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   };

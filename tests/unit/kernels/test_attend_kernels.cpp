@@ -186,7 +186,8 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI groups of 64 and 12
 }
 
 TEMPLATE_TEST_CASE("every ISA rotates pre-RoPE keys like the double-precision reference", "[kernels][cpu][rope]",
-                   quant::Float<float>, quant::Float<half>) {
+                   quant::Float<float>, quant::Float<half>, quant::Float<bfloat16>, quant::FP8<quant::E4M3FN>,
+                   quant::FP8<quant::E5M2>) {
   struct Case {
     index_t page_size, head_dim, pages, tail, group;
   };

@@ -4,9 +4,9 @@
 ///
 /// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
 /// 4-bit groups of 128, which take the fused kernels' other lane arrangements), the pre-RoPE key
-/// scorers of the codecs meant for pre-RoPE storage (f32, f16, KVQuant), and layout::MLA's page
-/// decoders for the usual latent and RoPE formats. A kernel not listed here (a user's own codec) still works: it
-/// is compiled inline for the including file's own target (`default_arch`).
+/// scorers of every element format and KVQuant, and layout::MLA's page decoders for the usual
+/// latent and RoPE formats. A kernel not listed here (a user's own codec) still works: it is
+/// compiled inline for the including file's own target (`default_arch`).
 
 #include <type_traits>
 
@@ -45,6 +45,9 @@ using ScoreRotatedNuq3 = ScoreRotatedKeys<quant::KVQuantKeyCodec<3>>;
 using ScoreRotatedNuq4 = ScoreRotatedKeys<quant::KVQuantKeyCodec<4>>;
 using ScoreRotatedF32 = ScoreRotatedKeys<quant::FloatCodec<float, Plane::kKey>>;
 using ScoreRotatedF16 = ScoreRotatedKeys<quant::FloatCodec<half, Plane::kKey>>;
+using ScoreRotatedBF16 = ScoreRotatedKeys<quant::FloatCodec<bfloat16, Plane::kKey>>;
+using ScoreRotatedE4M3 = ScoreRotatedKeys<quant::FP8Codec<quant::E4M3FN, Plane::kKey>>;
+using ScoreRotatedE5M2 = ScoreRotatedKeys<quant::FP8Codec<quant::E5M2, Plane::kKey>>;
 using AccumulateF32 = AccumulateValues<quant::FloatCodec<float, Plane::kValue>>;
 using AccumulateF16 = AccumulateValues<quant::FloatCodec<half, Plane::kValue>>;
 using AccumulateBF16 = AccumulateValues<quant::FloatCodec<bfloat16, Plane::kValue>>;
@@ -91,6 +94,7 @@ using DecodeLatentQ4_0 = DecodeChannelMajor<quant::Q4_0Codec<Plane::kValue>>;
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
   X(precompiled::ScoreKivi4Token) X(precompiled::ScoreKivi2G64) X(precompiled::ScoreKivi4G128)             \
   X(precompiled::AccumulateKivi2G64) X(precompiled::AccumulateKivi4G128) X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
+  X(precompiled::ScoreRotatedBF16) X(precompiled::ScoreRotatedE4M3) X(precompiled::ScoreRotatedE5M2)     \
   X(precompiled::ScoreNuq2) X(precompiled::ScoreNuq3) X(precompiled::ScoreNuq4)                           \
   X(precompiled::ScoreRotatedNuq2) X(precompiled::ScoreRotatedNuq3) X(precompiled::ScoreRotatedNuq4)      \
   X(precompiled::AccumulateNuq2) X(precompiled::AccumulateNuq3) X(precompiled::AccumulateNuq4)            \

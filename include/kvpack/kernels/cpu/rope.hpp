@@ -171,6 +171,29 @@ KVPACK_ALWAYS_INLINE void decode_key_rows(A, std::type_identity<KeyCodec>, quant
   KeyCodec{}.decode(g, plane, params, rows);
 }
 
+/// Element key planes, channel-major already: converted a vector at a time into `spare`, then
+/// transposed to rows (the codecs' scalar decoders took most of a gapped page's time).
+template <class Storage, class KeyCodec, class A>
+KVPACK_ALWAYS_INLINE void decode_element_key_rows(quant::PageGeometry g, const std::byte* plane,
+                                                  const typename KeyCodec::params_type& params, float* rows,
+                                                  float* spare) noexcept {
+  decode_elements_channel_major<Storage, Plane::kKey, KeyCodec, A>(
+      DecodePlaneArgs<KeyCodec>{nullptr, params, plane, g.page_size, g.head_dim, spare, nullptr});
+  transpose_rows(spare, g.head_dim, g.page_size, rows);
+}
+template <class T, class A>
+KVPACK_ALWAYS_INLINE void decode_key_rows(A, std::type_identity<quant::FloatCodec<T, Plane::kKey>>,
+                                          quant::PageGeometry g, const std::byte* plane, const quant::NoParams& params,
+                                          float* rows, float* spare) noexcept {
+  decode_element_key_rows<T, quant::FloatCodec<T, Plane::kKey>, A>(g, plane, params, rows, spare);
+}
+template <class Format, class A>
+KVPACK_ALWAYS_INLINE void decode_key_rows(A, std::type_identity<quant::FP8Codec<Format, Plane::kKey>>,
+                                          quant::PageGeometry g, const std::byte* plane,
+                                          const quant::FP8Params& params, float* rows, float* spare) noexcept {
+  decode_element_key_rows<Format, quant::FP8Codec<Format, Plane::kKey>, A>(g, plane, params, rows, spare);
+}
+
 /// A key page as a channel-major fp32 tile ([head_dim][page_size]): its rows, transposed, for
 /// every codec without a faster overload. `spare` (page_size · head_dim floats) holds the rows.
 template <class KeyCodec, class A>
