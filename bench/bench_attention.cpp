@@ -240,7 +240,8 @@ int main(int argc, char** argv) {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   });
-  // The codecs whose pre-RoPE key kernels the dispatch library precompiles.
+  // f16 and the KVQuant widths (the kvquant-* policies store keys pre-RoPE); bf16 and FP8 are
+  // precompiled as well and read the same element path as f16, so they have no rows of their own.
   auto register_pre_rope = [](auto quantizer) {
     using Q = decltype(quantizer);
     const std::string name = bench::row_name<Q>();

@@ -10,10 +10,10 @@
 /// scored like the tail's full-precision rows.
 ///
 /// Rows come from `decode_key_rows(arch, codec, ...)`, tiles from `decode_key_tile(arch, codec,
-/// ...)`: codecs with a fast unpacker overload them (declared before this file is included);
-/// every other codec falls back to its scalar reference decoder (and a transpose for tiles), so
-/// any key codec can be stored pre-RoPE (slowly) and the fast ones are those the dispatch library
-/// precompiles. Nothing here constructs a codec that has an overload: a codec holding tables
+/// ...)`: the element formats' overloads are below, KVQuant's in kvquant.hpp (included before
+/// this file); every other codec falls back to its scalar reference decoder (and a transpose for
+/// tiles), so any key codec can be stored pre-RoPE (slowly) and the fast ones are those the
+/// dispatch library precompiles. Nothing here constructs a codec that has an overload: a codec holding tables
 /// would otherwise put their untagged destructors into the per-ISA objects (STYLE.md §5.2).
 
 #include <cstdint>
