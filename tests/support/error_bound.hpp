@@ -15,6 +15,14 @@
 //   (kInt16Codes); and w·s to int8 per page, head and channel group with the step
 //   (page max of p) · (group's max s) / 127, so each sum moves by at most (page max of p) / 254 ·
 //   M, M = max_c (max_t s_{t,c}) · Σ_t code_tc over the page (page_code_mass; kInt8Codes).
+// - KVQuant's 4- and 2-bit values on AVX-512 (kernels/cpu/kvquant.hpp) take the same int8
+//   weights, w·r with the step (page max of p) · (page max of r) / 127, times the codebook's
+//   levels as bytes, each within max|ℓ|/254 of its level. Per channel the page's sum moves by
+//   at most P · step/2 · max|ℓ| + Σ_t w_t·r_t · max|ℓ|/254 ≤ (page max of p) / 254 · M with
+//   M = 2·P·(page max of r), as every codebook lies on [−1, 1] (quant/nuq.hpp).
+// - KVQuant's 4- and 2-bit keys on AVX-512 take q·r (r: the channel's calibrated half-range) as
+//   int16 per head times the levels as bytes: δ = d·max_c |q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254
+//   (kInt16Levels; r_c taken as the channel's largest over every layer and head of the tables).
 
 #include <algorithm>
 #include <cmath>
@@ -24,14 +32,16 @@
 #include "kvpack/dispatch.hpp"
 #include "kvpack/quant/int8.hpp"
 #include "kvpack/quant/kivi.hpp"
+#include "kvpack/quant/kvquant.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
 
 namespace kvpack::test {
 
-/// How the kernel under test computes with a plane: in fp32, through int16 / int8 operands, or
-/// through int16 / int8 operands that multiply raw codes (KIVI's keys / values).
-enum class Operands { kFloat, kInt16, kInt8, kInt16Codes, kInt8Codes };
+/// How the kernel under test computes with a plane: in fp32, through int16 / int8 operands,
+/// through int16 / int8 operands that multiply raw codes (KIVI's keys / values), or through an
+/// int16 query that multiplies byte levels (KVQuant's keys; its values are kInt8Codes).
+enum class Operands { kFloat, kInt16, kInt8, kInt16Codes, kInt8Codes, kInt16Levels };
 
 /// KIVI's channel-grouped keys and token-grouped values, which the VNNI path multiplies as raw
 /// codes (its per-token keys are decoded to fp32 instead).
@@ -46,12 +56,23 @@ struct IsKiviCodes<quant::KiviValueCodec<Bits, Group>> : std::true_type {
   static constexpr int kBits = Bits;
 };
 
+/// KVQuant's planes whose codes the VNNI path multiplies as byte levels (4- and 2-bit).
+template <class Codec>
+struct IsKVQuantByteLevels : std::false_type {};
+template <int Bits>
+struct IsKVQuantByteLevels<quant::KVQuantKeyCodec<Bits>> : std::bool_constant<Bits == 4 || Bits == 2> {};
+template <int Bits>
+struct IsKVQuantByteLevels<quant::KVQuantValueCodec<Bits>> : std::bool_constant<Bits == 4 || Bits == 2> {};
+
 /// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
 /// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
 template <class Codec>
 Operands operands(bool vnni) {
   if (!vnni) return Operands::kFloat;
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
+  if constexpr (IsKVQuantByteLevels<Codec>::value) {
+    return Codec::kPlane == Plane::kKey ? Operands::kInt16Levels : Operands::kInt8Codes;
+  }
   if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
   if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
                 std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
@@ -72,16 +93,19 @@ struct DecodedTokens {
   std::vector<int> page_of;
   std::vector<double> page_max_value;  // per page, over all its slots (dead ones included)
   int page_size = 0;
-  // KIVI keys: per token, each channel's scale and code (empty for tokens without codes).
+  // KIVI keys: per token, each channel's scale and code (empty for tokens without codes);
+  // KVQuant keys: each channel's half-range in key_scales.
   std::vector<std::vector<float>> key_scales, key_codes;
-  // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots.
+  // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots; KVQuant
+  // values (4- and 2-bit): M = 2·P·(page max of r).
   std::vector<double> page_code_mass;
 };
 
-/// What the kInt8Codes bound needs from page `plane` for its token t (keys) or for the whole
-/// page (values); nothing for other codecs.
+/// What the kInt16Codes, kInt16Levels and kInt8Codes bounds need from page `plane` for its
+/// token t (keys) or for the whole page (values); nothing for other codecs.
 template <class Codec>
-void add_key_codes(const Codec&, quant::PageGeometry g, const std::byte* plane, int t, DecodedTokens& tokens) {
+void add_key_codes([[maybe_unused]] const Codec& codec, quant::PageGeometry g, const std::byte* plane, int t,
+                   DecodedTokens& tokens) {
   std::vector<float> scales, codes;
   if constexpr (IsKiviCodes<Codec>::value && Codec::kPlane == Plane::kKey) {
     for (int c = 0; c < g.head_dim; ++c) {
@@ -89,6 +113,12 @@ void add_key_codes(const Codec&, quant::PageGeometry g, const std::byte* plane, 
       scales.push_back(quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta));
       codes.push_back(quant::kivi_detail::get_code<IsKiviCodes<Codec>::kBits>(plane + Codec::row_bytes(g) * c, t));
     }
+  }
+  if constexpr (IsKVQuantByteLevels<Codec>::value && Codec::kPlane == Plane::kKey) {
+    const std::vector<float>& ranges = codec.tables->key_half_range;  // [layers][kv_heads][head_dim]
+    scales.assign(static_cast<std::size_t>(g.head_dim), 0.0f);
+    const auto d = static_cast<std::size_t>(g.head_dim);
+    for (std::size_t i = 0; i < ranges.size(); ++i) scales[i % d] = std::max(scales[i % d], ranges[i]);
   }
   tokens.key_scales.push_back(std::move(scales));
   tokens.key_codes.push_back(std::move(codes));
@@ -108,6 +138,14 @@ void add_value_code_mass(const Codec&, quant::PageGeometry g, const std::byte* p
       }
       mass = std::max(mass, scale_max * code_sum);
     }
+  }
+  if constexpr (IsKVQuantByteLevels<Codec>::value && Codec::kPlane == Plane::kValue) {
+    double range_max = 0.0;
+    for (int t = 0; t < g.page_size; ++t) {
+      range_max = std::max(range_max, static_cast<double>(half::from_bits(
+                                          quant::kvquant_detail::get_u16(plane + Codec::ranges_offset(g) + 2 * t))));
+    }
+    mass = 2.0 * g.page_size * range_max;
   }
   tokens.page_code_mass.push_back(mass);
 }
@@ -147,6 +185,15 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
         codes += tokens.key_codes[t][c];
       }
       delta = std::max(delta, qs_max / 65534.0 * codes * scale * (1.0 + 1e-4));  // fp32 products and steps
+    }
+    if (key_operands == Operands::kInt16Levels && t < tokens.key_scales.size() && !tokens.key_scales[t].empty()) {
+      double qr_max = 0.0, qr_sum = 0.0;
+      for (int c = 0; c < head_dim; ++c) {
+        const double qr = std::fabs(static_cast<double>(q[c]) * tokens.key_scales[t][c]);
+        qr_max = std::max(qr_max, qr);
+        qr_sum += qr;
+      }
+      delta = std::max(delta, (head_dim * qr_max / 65534.0 + qr_sum / 254.0) * scale * (1.0 + 1e-4));
     }
   }
   double bound = 1e-5 * max_value + 1e-6;

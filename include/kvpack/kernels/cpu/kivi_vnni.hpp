@@ -64,23 +64,30 @@ KVPACK_ALWAYS_INLINE void load_quads(const std::uint8_t* p, std::size_t stride, 
   odd = _mm512_and_si512(_mm512_srli_epi16(quads, 4), mask);
 }
 
-/// The query of each head folded with one token group's channel scales and minimums (kivi.hpp's
-/// fold_key_group) and quantized in the same pass: q16[h][c] · step[h] ≈ q_c·s_c, and
+/// The operand the kernels below multiply for a vector of codes: KIVI multiplies the codes
+/// themselves; KVQuant looks up its codebook's levels (kvquant.hpp's NuqByteLevels). `bytes`
+/// takes one code per byte (values), `words` one per word with a zero high byte (keys).
+struct RawCodes {
+  KVPACK_ALWAYS_INLINE __m512i bytes(__m512i codes) const noexcept { return codes; }
+  KVPACK_ALWAYS_INLINE __m512i words(__m512i codes) const noexcept { return codes; }
+};
+
+/// The query of each head folded with per-channel scales and minimums (16 channels at a time
+/// from scale(c) and min(c)) and quantized in the same pass: q16[h][c] · step[h] ≈ q_c·s_c, and
 /// bias[h] = Σ_c q_c·m_c. `q16` holds [group][head_dim] int16. False when some q·s overflowed
-/// (a query near fp32's largest): the caller then scores the group in fp32, which carries the Inf.
-inline bool fold_query(xsimd::avx512bw, const float* queries, index_t group, index_t head_dim,
-                       const std::uint16_t* scales, const std::uint16_t* mins, float* folded, std::int16_t* q16,
-                       float* step, float* bias) noexcept {
-  auto f16 = [](const std::uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+/// (a query near fp32's largest): the caller then scores in fp32, which carries the Inf.
+template <class Scale, class Min>
+KVPACK_ALWAYS_INLINE bool fold_query(const float* queries, index_t group, index_t head_dim, Scale scale, Min min,
+                                     float* folded, std::int16_t* q16, float* step, float* bias) noexcept {
   for (index_t h = 0; h < group; ++h) {
     const float* q = queries + h * head_dim;
     __m512 dot = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
     for (index_t c = 0; c < head_dim; c += 16) {
       const __m512 qc = _mm512_loadu_ps(q + c);
-      const __m512 qs = _mm512_mul_ps(qc, f16(scales + c));
+      const __m512 qs = _mm512_mul_ps(qc, scale(c));
       _mm512_storeu_ps(folded + c, qs);
       largest = _mm512_max_ps(largest, _mm512_abs_ps(qs));
-      dot = _mm512_fmadd_ps(qc, f16(mins + c), dot);
+      dot = _mm512_fmadd_ps(qc, min(c), dot);
     }
     const float amax = _mm512_reduce_max_ps(largest);
     if (!(amax <= std::numeric_limits<float>::max())) return false;
@@ -96,12 +103,22 @@ inline bool fold_query(xsimd::avx512bw, const float* queries, index_t group, ind
   return true;
 }
 
+/// KIVI's fold of one token group (kivi.hpp's fold_key_group): fp16 scales and minimums.
+inline bool fold_query(xsimd::avx512bw, const float* queries, index_t group, index_t head_dim,
+                       const std::uint16_t* scales, const std::uint16_t* mins, float* folded, std::int16_t* q16,
+                       float* step, float* bias) noexcept {
+  auto f16 = [](const std::uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  return fold_query(
+      queries, group, head_dim, [&](index_t c) { return f16(scales + c); }, [&](index_t c) { return f16(mins + c); },
+      folded, q16, step, bias);
+}
+
 /// Scores of kG heads for 32 tokens of one key group from the codes at `codes` (channel c's row
-/// row_bytes·c further on): step · Σ_c q16_c·code + bias, written in token order.
-template <int kG>
+/// row_bytes·c further on): step · Σ_c q16_c·operand(code) + bias, written in token order.
+template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                        const std::int16_t* q16, const float* step, const float* bias, float* scores,
-                                       index_t stride) noexcept {
+                                       index_t stride, const Operand& operand = {}) noexcept {
   // After the dword permute, 128-bit lane L holds bytes 4L..4L+3 of rows 0..3 (4 bytes each);
   // these shuffles widen byte 4L+i of rows (0, 1) — or (2, 3) — into the two words of dword i.
   const __m512i rows01 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1));
@@ -113,8 +130,10 @@ KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t ro
   for (index_t c = 0; c < head_dim; c += 4) {
     const __m512i rows = _mm512_permutexvar_epi32(dwords, load_rows(codes + row_bytes * static_cast<std::size_t>(c), row_bytes));
     const __m512i pair01 = _mm512_shuffle_epi8(rows, rows01), pair23 = _mm512_shuffle_epi8(rows, rows23);
-    const __m512i even01 = _mm512_and_si512(pair01, mask), odd01 = _mm512_and_si512(_mm512_srli_epi16(pair01, 4), mask);
-    const __m512i even23 = _mm512_and_si512(pair23, mask), odd23 = _mm512_and_si512(_mm512_srli_epi16(pair23, 4), mask);
+    const __m512i even01 = operand.words(_mm512_and_si512(pair01, mask));
+    const __m512i odd01 = operand.words(_mm512_and_si512(_mm512_srli_epi16(pair01, 4), mask));
+    const __m512i even23 = operand.words(_mm512_and_si512(pair23, mask));
+    const __m512i odd23 = operand.words(_mm512_and_si512(_mm512_srli_epi16(pair23, 4), mask));
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
       std::int32_t pair[2];
@@ -161,16 +180,18 @@ inline void quantize_scaled_weights(xsimd::avx512bw, const float* scaled, index_
 }
 
 /// Sums of kG heads over one page for 32 channels of one channel group, from the codes at
-/// `codes` (token t's row row_bytes·t further on): sums[h][lane order] += step_h · Σ_t w8·code.
-template <int kG>
+/// `codes` (token t's row row_bytes·t further on): sums[h][lane order] += step_h · Σ_t w8·operand(code).
+template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void accumulate_channels(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
                                               const std::int8_t* w8, const float* step, float* sums,
-                                              index_t head_dim) noexcept {
+                                              index_t head_dim, const Operand& operand = {}) noexcept {
   __m512i sum[kG][2];
   for (auto& head : sum) head[0] = head[1] = _mm512_setzero_si512();
   for (index_t t = 0; t < page_size; t += 4) {
     __m512i even, odd;
     load_quads(codes + row_bytes * static_cast<std::size_t>(t), row_bytes, even, odd);
+    even = operand.bytes(even);
+    odd = operand.bytes(odd);
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
       const __m512i quad = broadcast_int8_quad(w8 + static_cast<std::size_t>(h) * page_size + t);
@@ -233,11 +254,11 @@ KVPACK_ALWAYS_INLINE void lane_pairs_in_order(const __m512 (&sums)[4], __m512& f
 }
 
 /// Scores of kG heads for 32 tokens of one 2-bit key group from the codes at `codes` (channel c's
-/// row row_bytes·c further on): step · Σ_c q16_c·code + bias, written in token order.
-template <int kG>
+/// row row_bytes·c further on): step · Σ_c q16_c·operand(code) + bias, written in token order.
+template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                             const std::int16_t* q16, const float* step, const float* bias,
-                                            float* scores, index_t stride) noexcept {
+                                            float* scores, index_t stride, const Operand& operand = {}) noexcept {
   // Dword i of 128-bit lane m: channels (0, 1) for i even, (2, 3) for i odd — or (4, 5) and (6, 7)
   // — each byte 2m + i / 2 widened to a word.
   const __m512i pairs0123 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 2, -1, 4, -1, 6, -1, 1, -1, 3, -1, 5, -1, 7, -1));
@@ -248,10 +269,12 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
   for (index_t c = 0; c < head_dim; c += 8) {
     const __m512i bytes = byte_pairs_by_lane(load_eight_rows(codes + row_bytes * static_cast<std::size_t>(c), row_bytes));
     const __m512i low = _mm512_shuffle_epi8(bytes, pairs0123), high = _mm512_shuffle_epi8(bytes, pairs4567);
-    const __m512i low_codes[4] = {two_bit_codes<0>(low, mask), two_bit_codes<1>(low, mask),
-                                  two_bit_codes<2>(low, mask), _mm512_srli_epi16(low, 6)};
-    const __m512i high_codes[4] = {two_bit_codes<0>(high, mask), two_bit_codes<1>(high, mask),
-                                   two_bit_codes<2>(high, mask), _mm512_srli_epi16(high, 6)};
+    const __m512i low_codes[4] = {
+        operand.words(two_bit_codes<0>(low, mask)), operand.words(two_bit_codes<1>(low, mask)),
+        operand.words(two_bit_codes<2>(low, mask)), operand.words(_mm512_srli_epi16(low, 6))};
+    const __m512i high_codes[4] = {
+        operand.words(two_bit_codes<0>(high, mask)), operand.words(two_bit_codes<1>(high, mask)),
+        operand.words(two_bit_codes<2>(high, mask)), operand.words(_mm512_srli_epi16(high, 6))};
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
       std::int64_t quads[2];  // the int16 query of channels c .. c + 3 and c + 4 .. c + 7
@@ -275,12 +298,12 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
 }
 
 /// Sums of kG heads over one page for 32 channels of one 2-bit channel group, from the codes at
-/// `codes` (token t's row row_bytes·t further on): sums[h][0..63] += step_h · Σ_t w8·code, in the
-/// lane order lane_pairs_in_order puts back.
-template <int kG>
+/// `codes` (token t's row row_bytes·t further on): sums[h][0..63] += step_h · Σ_t w8·operand(code),
+/// in the lane order lane_pairs_in_order puts back.
+template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
                                                    const std::int8_t* w8, const float* step, float* sums,
-                                                   index_t sums_stride) noexcept {
+                                                   index_t sums_stride, const Operand& operand = {}) noexcept {
   // Dword i of 128-bit lane m: byte 2m + i / 2 of tokens 0..3 for i even, 4..7 for i odd.
   const __m512i tokens = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
   const __m512i mask = _mm512_set1_epi8(3);
@@ -289,8 +312,9 @@ KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, st
   for (index_t t = 0; t < page_size; t += 8) {
     const __m512i quads = _mm512_shuffle_epi8(
         byte_pairs_by_lane(load_eight_rows(codes + row_bytes * static_cast<std::size_t>(t), row_bytes)), tokens);
-    const __m512i code[4] = {two_bit_codes<0>(quads, mask), two_bit_codes<1>(quads, mask),
-                             two_bit_codes<2>(quads, mask), two_bit_codes<3>(quads, mask)};
+    const __m512i code[4] = {
+        operand.bytes(two_bit_codes<0>(quads, mask)), operand.bytes(two_bit_codes<1>(quads, mask)),
+        operand.bytes(two_bit_codes<2>(quads, mask)), operand.bytes(two_bit_codes<3>(quads, mask))};
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
       std::int64_t weights;  // tokens t .. t + 3 and t + 4 .. t + 7

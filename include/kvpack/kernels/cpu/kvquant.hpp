@@ -10,11 +10,16 @@
 /// Codes are read eight at a time: eight b-bit codes are exactly b bytes, one little-endian word.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "kvpack/kernels/cpu/channel_major.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
+#include "kvpack/kernels/cpu/group_blocks.hpp"
+#include "kvpack/kernels/cpu/kivi.hpp"
+#include "kvpack/kernels/cpu/kivi_vnni.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/quant/kvquant.hpp"
 
@@ -99,12 +104,63 @@ KVPACK_ALWAYS_INLINE simd::f32<A> load_levels(const std::byte* row, index_t firs
   return simd::lookup16<A>(simd::load_codes<Bits, A>(row, first), levels.level);
 }
 
+#if KVPACK_KERNELS_HAVE_VNNI
+/// The codebook as unsigned bytes for kivi_vnni's integer products (AVX-512 VNNI, 4- and 2-bit
+/// codes): byte_k = 128 + round(ℓ_k / step) with step = max_k |ℓ_k| / 127, so each level is
+/// (byte_k − 128)·step within step/2, and Σ_t w8_t·ℓ(code_t) = step·(Σ_t w8_t·byte − 128·Σ_t w8_t)
+/// (likewise Σ_c q16_c·ℓ(code_c) for keys).
+/// One byte shuffle per vector of codes looks them up; codes past the codebook's size read the
+/// zero level, as in NuqLevels.
+struct NuqByteLevels {
+  __m512i table;
+  float step = 0.0f;  ///< 0 when no level is usable (all zero, or one not finite): the fp32 path
+
+  explicit NuqByteLevels(const NuqLevels& levels) noexcept {
+    float largest = 0.0f;
+    bool finite = true;
+    for (float level : levels.level) {
+      finite = finite && std::isfinite(level);
+      largest = std::max(largest, std::fabs(level));
+    }
+    alignas(16) std::uint8_t bytes[16] = {};
+    if (finite && largest > 0.0f) {
+      step = largest / 127.0f;
+      for (int k = 0; k < 16; ++k) bytes[k] = static_cast<std::uint8_t>(128 + std::lrint(levels.level[k] / step));
+    }
+    table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes)));
+  }
+  KVPACK_ALWAYS_INLINE __m512i bytes(__m512i codes) const noexcept { return _mm512_shuffle_epi8(table, codes); }
+  /// Codes in words with a zero high byte: bit 7 set in the high byte makes the shuffle write 0 there.
+  KVPACK_ALWAYS_INLINE __m512i words(__m512i codes) const noexcept {
+    return _mm512_shuffle_epi8(table, _mm512_or_si512(codes, _mm512_set1_epi16(static_cast<short>(0x8000))));
+  }
+};
+
+/// Σ of each head's int8 weights over a page (a multiple of 16 tokens): the −128 of every byte
+/// level, taken out once per page.
+inline void sum_int8_weights(const std::int8_t* w8, index_t group, index_t page_size, std::int32_t* sums) noexcept {
+  for (index_t h = 0; h < group; ++h) {
+    __m512i sum = _mm512_setzero_si512();
+    for (index_t t = 0; t < page_size; t += 16) {
+      const auto* bytes = reinterpret_cast<const __m128i*>(w8 + h * page_size + t);
+      sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+    }
+    sums[h] = _mm512_reduce_add_epi32(sum);
+  }
+}
+#endif
+
 /// Keys, fused with the lookup: with x̂_tc = ℓ(code_tc)·r_c + z_c (per-channel calibrated ranges),
 /// Σ_c q_c·x̂_tc = Σ_c (q_c·r_c)·ℓ(code_tc) + Σ_c q_c·z_c. The query is scaled by the ranges once
 /// per call, the second sum is one bias per head, and each code costs a table permute and one FMA
 /// per query head (the element-format loop of float.hpp). An outlier adds q_c·(x − x̂_tc) to its
 /// token's score. q_c·r_c is formed in fp32: a query within a factor r_c of fp32's largest value
 /// overflows here where the decoded product might not.
+///
+/// On AVX-512 with VNNI, 4- and 2-bit pages take KIVI's integer key products (kivi_vnni.hpp): q·r
+/// to int16 per head, once per call since the ranges are fixed, times the levels as bytes
+/// (NuqByteLevels). A score then moves by at most (d·max_c|q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254)
+/// · max|ℓ| (tests/support/error_bound.hpp).
 template <int Bits, class A>
 void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
                 const ScoreArgs<quant::KVQuantKeyParams>& args) noexcept {
@@ -115,6 +171,57 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
   const quant::KVQuantKeyParams& p = args.params;
   float* folded = args.scratch;             // [group][head_dim]: q_c·r_c
   float* bias = folded + args.group * d;    // [group]: Σ_c q_c·z_c
+  const NuqLevels levels(*p.codebook);
+  const std::size_t row_bytes = Codec::row_bytes(g);
+  const std::size_t capacity = quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g);
+  auto add_outliers_and_mask = [&](index_t i, float* scores) KVPACK_ALWAYS_INLINE_LAMBDA {
+    const std::byte* plane = run.pages[i];
+    for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
+      const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(c), t);
+      const float correction = exact - (levels.level[code] * p.half_range[c] + p.offset[c]);
+      for (index_t h = 0; h < args.group; ++h) scores[h * args.score_stride + t] += args.queries[h * d + c] * correction;
+    });
+    if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
+  };
+#if KVPACK_KERNELS_HAVE_VNNI
+  if constexpr (kKiviVnni<A> && (Bits == 4 || Bits == 2)) {
+    float* steps = bias + args.group;                                 // [group]
+    auto* q16 = reinterpret_cast<std::int16_t*>(steps + args.group);  // [group][head_dim]
+    const NuqByteLevels byte_levels(levels);
+    // d ≤ 256 keeps the int32 sums of d products |q16|·byte ≤ 32767·255 from overflowing.
+    if (byte_levels.step > 0.0f && d % 16 == 0 && d <= 256 && P % 32 == 0 &&
+        kivi_vnni::fold_query(
+            args.queries, args.group, d, [&](index_t c) { return _mm512_loadu_ps(p.half_range + c); },
+            [&](index_t c) { return _mm512_loadu_ps(p.offset + c); }, folded, q16, steps, bias)) {
+      for (index_t h = 0; h < args.group; ++h) {
+        std::int32_t query_sum = 0;
+        for (index_t c = 0; c < d; ++c) query_sum += q16[h * d + c];
+        steps[h] *= byte_levels.step;
+        bias[h] -= 128.0f * steps[h] * static_cast<float>(query_sum);
+      }
+      for (index_t i = 0; i < run.count; ++i) {
+        PagePrefetcher(run, i, 1, 1).step();
+        const auto* codes = reinterpret_cast<const std::uint8_t*>(run.pages[i]);
+        float* scores = args.scores + i * P;
+        for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row
+          for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
+            constexpr int kG = decltype(block)::value;
+            float* out = scores + h0 * args.score_stride + 32 * k;
+            if constexpr (Bits == 4) {
+              kivi_vnni::score_tokens<kG>(codes + 16 * k, row_bytes, d, q16 + h0 * d, steps + h0, bias + h0, out,
+                                          args.score_stride, byte_levels);
+            } else {
+              kivi_vnni::score_tokens_2bit<kG>(codes + 8 * k, row_bytes, d, q16 + h0 * d, steps + h0, bias + h0, out,
+                                               args.score_stride, byte_levels);
+            }
+          });
+        }
+        add_outliers_and_mask(i, scores);
+      }
+      return;
+    }
+  }
+#endif
   for (index_t h = 0; h < args.group; ++h) {
     const float* q = args.queries + h * d;
     float sum = 0.0f;
@@ -124,25 +231,16 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
     }
     bias[h] = sum;
   }
-  const NuqLevels levels(*p.codebook);
-  const std::size_t row_bytes = Codec::row_bytes(g);
   score_channel_major_keys<A>(run, folded, args.group, args.scores, args.score_stride, 1.0f,
                               [&](const std::byte* plane, index_t c, index_t t0) KVPACK_ALWAYS_INLINE_LAMBDA {
                                 return load_levels<Bits, A>(plane + row_bytes * static_cast<std::size_t>(c), t0, levels);
                               });
-  const std::size_t capacity = quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g);
   for (index_t i = 0; i < run.count; ++i) {
     float* scores = args.scores + i * P;
     for (index_t h = 0; h < args.group; ++h) {
       for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] += bias[h];
     }
-    const std::byte* plane = run.pages[i];
-    for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
-      const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(c), t);
-      const float correction = exact - (levels.level[code] * p.half_range[c] + p.offset[c]);
-      for (index_t h = 0; h < args.group; ++h) scores[h * args.score_stride + t] += args.queries[h * d + c] * correction;
-    });
-    if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
+    add_outliers_and_mask(i, scores);
   }
 }
 
@@ -150,6 +248,12 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
 /// Σ_t w_t·x̂_tc = Σ_t (w_t·r_t)·ℓ(code_tc) + Σ_t w_t·z_t. Each page's weights are scaled by its
 /// tokens' ranges once, the second sum is one number per head added once per call, and an
 /// outlier adds w_t·(x − x̂_tc) to its channel.
+///
+/// On AVX-512 with VNNI, 4- and 2-bit pages take KIVI's integer products (kivi_vnni.hpp): the
+/// scaled weights w·r to int8 per head and page (step: the head's largest weight on the page times
+/// the page's largest range, / 127), the levels to bytes (NuqByteLevels). Per page and channel,
+/// the sum then moves by at most (page max of w) / 254 · 2·P·(page max of r)·max|ℓ|
+/// (tests/support/error_bound.hpp). 3-bit codes straddle bytes and stay on the fp32 path.
 template <int Bits, class A>
 void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
                        const AccumulateArgs<quant::KVQuantValueParams>& args) noexcept {
@@ -171,6 +275,21 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     return load_levels<Bits, A>(plane + row_bytes * static_cast<std::size_t>(t), c, levels);
   };
   const index_t vector_end = d - d % kWidth;
+#if KVPACK_KERNELS_HAVE_VNNI
+  // The integer path's value sums in its lane order ([group][sums_stride], put in order at the
+  // end), per head the steps, the page's largest weight and the int8 weights' sum, and the int8
+  // weights [group][page_size].
+  constexpr bool kIntegerCodes = kKiviVnni<A> && (Bits == 4 || Bits == 2);
+  const index_t sums_stride = kKiviSplitValueLanes<Bits, A> ? 2 * d : d;
+  float* sums = bias + args.group;
+  float* steps = sums + args.group * sums_stride;
+  float* head_max = steps + args.group;
+  auto* weight_sums = reinterpret_cast<std::int32_t*>(head_max + args.group);
+  auto* w8 = reinterpret_cast<std::int8_t*>(weight_sums + args.group);
+  const NuqByteLevels byte_levels(levels);
+  const bool integer = kIntegerCodes && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
+  if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
+#endif
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     const float* w = args.weights + i * P;
@@ -200,14 +319,58 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       }
       bias[h] += simd::reduce_sum<A>(sum) + tail;
     }
-    accumulate_token_major_vectors<A>(plane, P, d, scaled, P, args.group, 1.0f, args.acc, load);
-    for (index_t c = vector_end; c < d; ++c) {
-      for (index_t h = 0; h < args.group; ++h) {
-        float sum = 0.0f;
-        for (index_t t = 0; t < P; ++t) {
-          sum += scaled[h * P + t] * levels.level[quant::kvquant_detail::get_code<Bits>(plane + row_bytes * t, c)];
+    bool summed = false;
+#if KVPACK_KERNELS_HAVE_VNNI
+    float range_max = 0.0f;  // ranges are ≥ 0; one that is not finite sends the page to fp32
+    bool finite = true;
+    for (index_t t = 0; integer && t < P; ++t) {
+      finite = finite && range[t] <= std::numeric_limits<float>::max();
+      range_max = std::max(range_max, range[t]);
+    }
+    if constexpr (kIntegerCodes) {
+      if (integer && finite) {
+        for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
+          batch largest(0.0f);
+          for (index_t t = 0; t < P; t += kWidth) {
+            largest = xsimd::max(largest, batch::load_unaligned(w + h * args.weight_stride + t));
+          }
+          head_max[h] = _mm512_reduce_max_ps(largest);
         }
-        args.acc[h * d + c] += sum;
+        kivi_vnni::quantize_scaled_weights(A{}, scaled, args.group, P, head_max, range_max, w8, steps);
+        sum_int8_weights(w8, args.group, P, weight_sums);
+        for (index_t h = 0; h < args.group; ++h) {
+          steps[h] *= byte_levels.step;
+          bias[h] -= 128.0f * steps[h] * static_cast<float>(weight_sums[h]);
+        }
+        const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
+        for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
+          for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
+            constexpr int kG = decltype(block)::value;
+            const std::int8_t* wh = w8 + static_cast<std::size_t>(h0) * P;
+            float* out = sums + h0 * sums_stride + 32 * k * (sums_stride / d);
+            if constexpr (Bits == 4) {
+              kivi_vnni::accumulate_channels<kG>(codes + 16 * k, row_bytes, P, wh, steps + h0, out, sums_stride,
+                                                 byte_levels);
+            } else {
+              kivi_vnni::accumulate_channels_2bit<kG>(codes + 8 * k, row_bytes, P, wh, steps + h0, out, sums_stride,
+                                                      byte_levels);
+            }
+          });
+        }
+        summed = true;
+      }
+    }
+#endif
+    if (!summed) {
+      accumulate_token_major_vectors<A>(plane, P, d, scaled, P, args.group, 1.0f, args.acc, load);
+      for (index_t c = vector_end; c < d; ++c) {
+        for (index_t h = 0; h < args.group; ++h) {
+          float sum = 0.0f;
+          for (index_t t = 0; t < P; ++t) {
+            sum += scaled[h * P + t] * levels.level[quant::kvquant_detail::get_code<Bits>(plane + row_bytes * t, c)];
+          }
+          args.acc[h * d + c] += sum;
+        }
       }
     }
     for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
@@ -216,6 +379,15 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       for (index_t h = 0; h < args.group; ++h) args.acc[h * d + c] += w[h * args.weight_stride + t] * correction;
     });
   }
+#if KVPACK_KERNELS_HAVE_VNNI
+  if constexpr (kIntegerCodes) {
+    if (integer) {
+      for (index_t h = 0; h < args.group; ++h) {
+        add_value_sums_in_order<Bits, 32, A>(sums + h * sums_stride, d, args.acc + h * d);
+      }
+    }
+  }
+#endif
   for (index_t h = 0; h < args.group; ++h) {
     for (index_t c = 0; c < d; ++c) args.acc[h * d + c] += bias[h];
   }
