@@ -15,6 +15,9 @@
 ///   weight moves by at most 1/254 of the page's largest weight times the group's largest scale.
 /// The minimums' sums (Σ q·m, Σ w·m) stay in fp32. tests/support/error_bound.hpp holds the bound.
 ///
+/// The kernels take what a code stands for as a parameter: the code itself for KIVI (RawCodes),
+/// a byte copy of the codebook's levels for KVQuant (NuqByteLevels in kvquant.hpp).
+///
 /// 4-bit codes: each step loads 16 bytes (32 codes) from four rows — four channels of one token
 /// group (keys) or four tokens of one channel chunk (values) — and transposes them with one dword
 /// permute and byte shuffles so that a lane holds the codes that share its operand; the low

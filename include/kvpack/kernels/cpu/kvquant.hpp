@@ -4,7 +4,7 @@
 ///        sums are computed from the packed codes through a 16-lane table of the codebook's levels
 ///        (one permute per vector of codes), the per-vector ranges folded into the operand that
 ///        multiplies them (the query for keys, the weights for values), and each outlier added as
-///        a correction x − x̂. Pre-RoPE keys are decoded to fp32 for rope.hpp's rotation:
+///        a correction x − x̂ (nuq_outliers.hpp). Pre-RoPE keys are decoded to fp32 for rope.hpp's rotation:
 ///        channel-major tiles as stored, or rows by a transpose.
 ///
 /// Codes are read eight at a time: eight b-bit codes are exactly b bytes, one little-endian word.
@@ -20,6 +20,7 @@
 #include "kvpack/kernels/cpu/group_blocks.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
 #include "kvpack/kernels/cpu/kivi_vnni.hpp"
+#include "kvpack/kernels/cpu/nuq_outliers.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/quant/kvquant.hpp"
 
@@ -46,31 +47,6 @@ KVPACK_ALWAYS_INLINE void unpack_nuq_row(A, const std::byte* row, index_t count,
     float* at = out + static_cast<std::size_t>(group) * 8 * stride;
     for (int j = 0; j < 8; ++j) at[j * stride] = levels[(word >> (Bits * j)) & kMask];
   }
-}
-
-/// Calls f(t, c, exact) for each outlier a page's section holds. The index t·head_dim + c is
-/// split by a multiply instead of a division: with c = ⌈2³²/d⌉, ⌊n/d⌋ = ⌊c·n/2³²⌋ exactly for
-/// 16-bit n and d (Lemire, Kaser & Kurz, "Faster remainder by direct computation", 2019).
-template <class A, class F>
-KVPACK_ALWAYS_INLINE void for_each_nuq_outlier(const std::byte* section, std::size_t capacity, index_t head_dim,
-                                               F&& f) noexcept {
-  using quant::kvquant_detail::get_u16;
-  const std::size_t count = std::min<std::size_t>(get_u16(section), capacity);
-  const std::uint64_t magic = UINT64_C(0xFFFFFFFF) / static_cast<std::uint64_t>(head_dim) + 1;
-  for (std::size_t i = 0; i < count; ++i) {
-    const std::uint64_t index = get_u16(section + 2 + 2 * i);
-    const auto t = static_cast<index_t>((index * magic) >> 32);
-    f(t, static_cast<index_t>(index) - t * head_dim, simd::f16_to_f32<A>(get_u16(section + 2 + 2 * capacity + 2 * i)));
-  }
-}
-
-/// Writes the page's exact outliers over a decoded tile, element (t, c) at tile[t·t_stride + c·c_stride].
-template <class A>
-KVPACK_ALWAYS_INLINE void apply_nuq_outliers(const std::byte* section, std::size_t capacity, index_t head_dim,
-                                             float* tile, std::size_t t_stride, std::size_t c_stride) noexcept {
-  for_each_nuq_outlier<A>(section, capacity, head_dim, [&](index_t t, index_t c, float exact) {
-    tile[static_cast<std::size_t>(t) * t_stride + static_cast<std::size_t>(c) * c_stride] = exact;
-  });
 }
 
 /// A KVQuant key page as fp32, element (t, c) at tile[t·t_stride + c·c_stride].
@@ -174,13 +150,31 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
   const NuqLevels levels(*p.codebook);
   const std::size_t row_bytes = Codec::row_bytes(g);
   const std::size_t capacity = quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g);
+#if KVPACK_KERNELS_HAVE_VNNI
+  // The outliers' multipliers and targets head-minor (nuq_outliers.hpp), past the integer path's
+  // q16: the queries [head_dim][group] and one page's score corrections [page_size][group].
+  float* outlier_queries = bias + 2 * args.group + args.group * d / 2 + 1;
+  float* outlier_scores = outlier_queries + args.group * d;
+  if constexpr (kKiviVnni<A>) to_head_minor(args.queries, d, args.group, d, outlier_queries);
+#endif
   auto add_outliers_and_mask = [&](index_t i, float* scores) KVPACK_ALWAYS_INLINE_LAMBDA {
     const std::byte* plane = run.pages[i];
-    for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
-      const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(c), t);
-      const float correction = exact - (levels.level[code] * p.half_range[c] + p.offset[c]);
-      for (index_t h = 0; h < args.group; ++h) scores[h * args.score_stride + t] += args.queries[h * d + c] * correction;
-    });
+#if KVPACK_KERNELS_HAVE_VNNI
+    if constexpr (kKiviVnni<A>) {
+      std::fill(outlier_scores, outlier_scores + P * args.group, 0.0f);
+      add_nuq_outlier_corrections<Bits>(plane + Codec::outliers_offset(g), capacity, d,
+                                        {plane, row_bytes, true, levels.level, p.half_range, p.offset,
+                                         outlier_queries, outlier_scores, args.group});
+      add_head_minor(outlier_scores, args.group, P, scores, args.score_stride);
+    }
+#endif
+    if constexpr (!kKiviVnni<A>) {
+      for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
+        const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(c), t);
+        const float correction = exact - (levels.level[code] * p.half_range[c] + p.offset[c]);
+        for (index_t h = 0; h < args.group; ++h) scores[h * args.score_stride + t] += args.queries[h * d + c] * correction;
+      });
+    }
     if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
   };
 #if KVPACK_KERNELS_HAVE_VNNI
@@ -238,7 +232,8 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
   for (index_t i = 0; i < run.count; ++i) {
     float* scores = args.scores + i * P;
     for (index_t h = 0; h < args.group; ++h) {
-      for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] += bias[h];
+      const float b = bias[h];  // a local: scores may alias bias for all the compiler knows
+      for (index_t t = 0; t < P; ++t) scores[h * args.score_stride + t] += b;
     }
     add_outliers_and_mask(i, scores);
   }
@@ -289,6 +284,11 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   const NuqByteLevels byte_levels(levels);
   const bool integer = kIntegerCodes && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
+  // The outliers' multipliers and targets head-minor (nuq_outliers.hpp): one page's weights
+  // [page_size][group] and the call's corrections [head_dim][group].
+  float* outlier_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
+  float* outlier_sums = outlier_weights + P * args.group;
+  if constexpr (kKiviVnni<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
 #endif
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
@@ -321,14 +321,17 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     }
     bool summed = false;
 #if KVPACK_KERNELS_HAVE_VNNI
-    float range_max = 0.0f;  // ranges are ≥ 0; one that is not finite sends the page to fp32
-    bool finite = true;
-    for (index_t t = 0; integer && t < P; ++t) {
-      finite = finite && range[t] <= std::numeric_limits<float>::max();
-      range_max = std::max(range_max, range[t]);
-    }
     if constexpr (kIntegerCodes) {
-      if (integer && finite) {
+      // Ranges are ≥ 0; one that is not finite (or NaN) sends the page to fp32.
+      __m512 largest = _mm512_setzero_ps();
+      __mmask16 not_finite = 0;
+      for (index_t t = 0; integer && t < P; t += 16) {
+        const __m512 r = _mm512_loadu_ps(range + t);
+        not_finite |= _mm512_cmp_ps_mask(r, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+        largest = _mm512_max_ps(largest, r);
+      }
+      const float range_max = _mm512_reduce_max_ps(largest);
+      if (integer && not_finite == 0) {
         for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
           batch largest(0.0f);
           for (index_t t = 0; t < P; t += kWidth) {
@@ -373,11 +376,21 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
         }
       }
     }
-    for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
-      const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(t), c);
-      const float correction = exact - (levels.level[code] * range[t] + offset[t]);
-      for (index_t h = 0; h < args.group; ++h) args.acc[h * d + c] += w[h * args.weight_stride + t] * correction;
-    });
+#if KVPACK_KERNELS_HAVE_VNNI
+    if constexpr (kKiviVnni<A>) {
+      to_head_minor(w, args.weight_stride, args.group, P, outlier_weights);
+      add_nuq_outlier_corrections<Bits>(plane + Codec::outliers_offset(g), capacity, d,
+                                        {plane, row_bytes, false, levels.level, range, offset, outlier_weights,
+                                         outlier_sums, args.group});
+    }
+#endif
+    if constexpr (!kKiviVnni<A>) {
+      for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
+        const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(t), c);
+        const float correction = exact - (levels.level[code] * range[t] + offset[t]);
+        for (index_t h = 0; h < args.group; ++h) args.acc[h * d + c] += w[h * args.weight_stride + t] * correction;
+      });
+    }
   }
 #if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (kIntegerCodes) {
@@ -387,9 +400,11 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       }
     }
   }
+  if constexpr (kKiviVnni<A>) add_head_minor(outlier_sums, args.group, d, args.acc, d);
 #endif
   for (index_t h = 0; h < args.group; ++h) {
-    for (index_t c = 0; c < d; ++c) args.acc[h * d + c] += bias[h];
+    const float b = bias[h];  // a local: acc may alias bias for all the compiler knows
+    for (index_t c = 0; c < d; ++c) args.acc[h * d + c] += b;
   }
 }
 
