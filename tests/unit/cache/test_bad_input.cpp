@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <new>
@@ -329,6 +330,39 @@ TEMPLATE_TEST_CASE("bad input: NaN or Inf in keys, values, observation queries o
   kh[9] = half::from_bits(0x7e00);
   expect_rejected(b, [&] { b.cache.append(b.target, 0, std::span<const half>(kh), std::span<const half>(kh), 20); },
                   ErrorCode::kNonFinite, "append: keys[9] is NaN");
+}
+
+// The check reads eight elements at a time and the rest one by one (cache.hpp, all_within):
+// each lane of the block and of the remainder must catch, and name, its element.
+TEST_CASE("bad input: a bad element is named in every lane of the check", "[cache][bad-input]") {
+  const ModelShape shape{1, 1, 1, 12};  // one block of eight and a remainder of four
+  KVCache<layout::GQA, quant::Float<half>> cache(shape, CacheConfig{});
+  const SeqId seq = cache.add_sequence();
+  const std::vector<float> good(12, 0.5f);
+  const float bads[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity(), 70000.0f};
+  for (std::size_t i = 0; i < good.size(); ++i) {
+    for (const float bad : bads) {
+      for (const bool in_keys : {true, false}) {
+        auto broken = good;
+        broken[i] = bad;
+        const std::string name = std::string(in_keys ? "keys" : "values") + "[" + std::to_string(i) + "]";
+        const std::string text = std::isnan(bad) ? name + " is NaN" : std::isinf(bad) ? name + " is Inf" : name + " = 70000";
+        INFO(text);
+        bool threw = false;
+        try {
+          cache.append(seq, 0, view(in_keys ? broken : good), view(in_keys ? good : broken), 0);
+        } catch (const Error& e) {
+          threw = true;
+          CHECK(e.code() == (std::isfinite(bad) ? ErrorCode::kOutOfRange : ErrorCode::kNonFinite));
+          CHECK(std::string(e.what()).find("append: " + text) != std::string::npos);
+        }
+        CHECK(threw);
+      }
+    }
+  }
+  CHECK(cache.length(seq, 0) == 0);
+  cache.append(seq, 0, view(good), view(good), 0);
+  CHECK(cache.length(seq, 0) == 1);
 }
 
 TEMPLATE_TEST_CASE("bad input: a non-finite attention scale", "[cache][bad-input]", KVPACK_BAD_INPUT_CODECS) {
