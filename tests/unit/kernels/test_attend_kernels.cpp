@@ -155,7 +155,9 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
     index_t page_size, head_dim, pages, tail, group;
   };
   // Precompiled for group 32 only (other groups compile for the including file's own ISA).
-  const Case cases[] = {{64, 128, 6, 0, 4}, {64, 128, 3, 17, 8}, {32, 64, 2, 31, 2}, {128, 256, 2, 5, 5}};
+  // Pages of 4, 2, 8 and 1 channel groups of values.
+  const Case cases[] = {{64, 128, 6, 0, 4}, {64, 128, 3, 17, 8}, {32, 64, 2, 31, 2}, {128, 256, 2, 5, 5},
+                        {32, 32, 3, 5, 3}};
   for (const Case& c : cases) {
     const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
     auto keys = test::random_rows(rows, c.head_dim, 61, 4, 10.0f);  // outlier channels
