@@ -1128,7 +1128,11 @@ class KVCache {
     } else {
       thread_local std::vector<float> converted[3];
       converted[slot].resize(input.size());
-      for (std::size_t i = 0; i < input.size(); ++i) converted[slot][i] = static_cast<float>(input[i]);
+      if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
+        dispatch::cpu_kernel<kernels::cpu::WidenToFloat<T>>()({input.data(), converted[slot].data(), input.size()});
+      } else {
+        for (std::size_t i = 0; i < input.size(); ++i) converted[slot][i] = static_cast<float>(input[i]);
+      }
       return converted[slot];
     }
   }
@@ -1447,14 +1451,23 @@ class KVCache {
                            index_t tail_count, index_t begin, RowOf row_of,
                            const typename Codec::params_type& params, std::byte* plane,
                            std::vector<float>& staging) {
+    const auto encode = [&](const float* rows, std::ptrdiff_t row_stride) {
+      if constexpr (quant::is_float_codec_v<Codec>) {
+        // Float pages through the SIMD write kernel (its bytes are the codec's own).
+        dispatch::cpu_kernel<kernels::cpu::EncodeFloatPlane<Codec>>()(
+            {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
+      } else {
+        codec.encode(geometry, rows, row_stride, params, plane);
+      }
+    };
     if (begin >= tail_count) {
-      codec.encode(geometry, row_of(begin), static_cast<std::ptrdiff_t>(input_row), params, plane);
+      encode(row_of(begin), static_cast<std::ptrdiff_t>(input_row));
       return;
     }
     for (index_t t = 0; t < geometry.page_size; ++t) {
       std::memcpy(staging.data() + static_cast<std::size_t>(t) * dim, row_of(begin + t), dim * sizeof(float));
     }
-    codec.encode(geometry, staging.data(), dim, params, plane);
+    encode(staging.data(), dim);
   }
 
   /// Bytes of a page's slot record: positions, then the live mask.

@@ -106,6 +106,24 @@ struct DecodePlaneArgs {
   float* rows = nullptr;  ///< [page_size][head_dim] scratch
 };
 
+/// Arguments of WidenToFloat: `count` inputs of type T (fp16 or bfloat16) to fp32.
+template <class T>
+struct WidenArgs {
+  const T* in = nullptr;
+  float* out = nullptr;
+  std::size_t count = 0;
+};
+
+/// Arguments of EncodeFloatPlane: page_size rows of head_dim floats, row t at rows + t·row_stride,
+/// encoded into one quant::Float<T> plane.
+struct EncodeRowsArgs {
+  const float* rows = nullptr;
+  std::ptrdiff_t row_stride = 0;
+  index_t page_size = 0;
+  index_t head_dim = 0;
+  std::byte* plane = nullptr;
+};
+
 /// Scratch floats every key and value kernel may use for one call (per-page staging of scales,
 /// weights and the prepared query, or one page decoded to fp32), generously bounded so callers
 /// size one buffer for all codecs.

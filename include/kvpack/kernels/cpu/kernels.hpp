@@ -65,4 +65,20 @@ struct DecodeChannelMajor {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
+/// fp16 or bfloat16 inputs widened to fp32 (the cache's append, prefill and query inputs).
+template <class T>
+struct WidenToFloat {
+  using args_type = WidenArgs<T>;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
+/// One plane of a quant::Float<T> page encoded from fp32 rows: FloatCodec::encode's bytes.
+template <class Codec>
+struct EncodeFloatPlane {
+  using args_type = EncodeRowsArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -3,6 +3,7 @@
 /// \brief Bodies of the CPU kernel functors: each forwards to the overload for its codec.
 
 #include "kvpack/kernels/cpu/channel_major.hpp"
+#include "kvpack/kernels/cpu/convert.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
@@ -53,6 +54,18 @@ template <class Codec>
 template <class Arch>
 void DecodeChannelMajor<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
   decode_channel_major(arch, std::type_identity<Codec>{}, args);
+}
+
+template <class T>
+template <class Arch>
+void WidenToFloat<T>::operator()(Arch arch, const args_type& args) const noexcept {
+  widen_to_float(arch, args);
+}
+
+template <class Codec>
+template <class Arch>
+void EncodeFloatPlane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
+  encode_float_plane(arch, std::type_identity<Codec>{}, args);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

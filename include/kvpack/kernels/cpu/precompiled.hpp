@@ -4,9 +4,10 @@
 ///
 /// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
 /// 4-bit groups of 128, which take the fused kernels' other lane arrangements), the pre-RoPE key
-/// scorers of every element format and KVQuant, and layout::MLA's page decoders for the usual
-/// latent and RoPE formats. A kernel not listed here (a user's own codec) still works: it is
-/// compiled inline for the including file's own target (`default_arch`).
+/// scorers of every element format and KVQuant, layout::MLA's page decoders for the usual latent
+/// and RoPE formats, and the write path's conversions (convert.hpp). A kernel not listed here (a
+/// user's own codec) still works: it is compiled inline for the including file's own target
+/// (`default_arch`).
 
 #include <type_traits>
 
@@ -80,6 +81,16 @@ using DecodeLatentE4M3 = DecodeChannelMajor<quant::FP8Codec<quant::E4M3FN, Plane
 using DecodeLatentQ8_0 = DecodeChannelMajor<quant::Q8_0Codec<Plane::kValue>>;
 using DecodeLatentQ4_0 = DecodeChannelMajor<quant::Q4_0Codec<Plane::kValue>>;
 
+// The cache's write path: inputs widened to fp32, Float pages encoded.
+using WidenF16 = WidenToFloat<half>;
+using WidenBF16 = WidenToFloat<bfloat16>;
+using EncodeF32Keys = EncodeFloatPlane<quant::FloatCodec<float, Plane::kKey>>;
+using EncodeF32Values = EncodeFloatPlane<quant::FloatCodec<float, Plane::kValue>>;
+using EncodeF16Keys = EncodeFloatPlane<quant::FloatCodec<half, Plane::kKey>>;
+using EncodeF16Values = EncodeFloatPlane<quant::FloatCodec<half, Plane::kValue>>;
+using EncodeBF16Keys = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kKey>>;
+using EncodeBF16Values = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kValue>>;
+
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
 /// Applies X(kernel) to every precompiled kernel functor.
@@ -102,7 +113,10 @@ using DecodeLatentQ4_0 = DecodeChannelMajor<quant::Q4_0Codec<Plane::kValue>>;
   X(precompiled::AccumulateTurboProd) X(precompiled::ScoreQjl) X(SoftmaxUpdate) X(ScoreRows)              \
   X(ScoreRotatedRows) X(precompiled::DecodeRopeF32) X(precompiled::DecodeRopeF16) X(precompiled::DecodeRopeBF16)      \
   X(precompiled::DecodeLatentF32) X(precompiled::DecodeLatentF16) X(precompiled::DecodeLatentBF16)        \
-  X(precompiled::DecodeLatentE4M3) X(precompiled::DecodeLatentQ8_0) X(precompiled::DecodeLatentQ4_0)
+  X(precompiled::DecodeLatentE4M3) X(precompiled::DecodeLatentQ8_0) X(precompiled::DecodeLatentQ4_0)     \
+  X(precompiled::WidenF16) X(precompiled::WidenBF16) X(precompiled::EncodeF32Keys)                        \
+  X(precompiled::EncodeF32Values) X(precompiled::EncodeF16Keys) X(precompiled::EncodeF16Values)           \
+  X(precompiled::EncodeBF16Keys) X(precompiled::EncodeBF16Values)
 
 namespace kvpack::inline v0::kernels::cpu {
 

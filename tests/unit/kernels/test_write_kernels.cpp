@@ -1,0 +1,114 @@
+// The cache's write-path kernels (kernels/cpu/convert.hpp) on every instruction set this CPU
+// runs: widening fp16/bf16 input must give exactly half.hpp's conversion for every one of the
+// 65536 patterns (but that F16C sets a signaling NaN's quiet bit), and encoding a Float page plane must write exactly the bytes of the codec's
+// scalar `encode`, over random 32-bit patterns (every NaN payload, Inf, fp32 subnormals), ties,
+// the fp16 overflow edge, head_dim and page sizes that are not multiples of a vector, and rows
+// further apart than head_dim. Nothing outside the plane may be written.
+
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string_view>
+#include <vector>
+
+#include "kvpack/kvpack.hpp"
+
+namespace {
+
+using namespace kvpack;
+
+template <class T>
+void check_widening() {
+  using Kernel = kernels::cpu::WidenToFloat<T>;
+  std::vector<T> all(65536);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = T::from_bits(static_cast<std::uint16_t>(i));
+  int isas = 0;
+  dispatch::for_each_runnable_isa<Kernel>([&](std::string_view isa, dispatch::CpuFunction<Kernel> widen) {
+    ++isas;
+    // The whole table, then short runs at odd offsets for the scalar remainder.
+    for (const std::size_t count : {std::size_t{65536}, std::size_t{1}, std::size_t{7}, std::size_t{17},
+                                    std::size_t{31}, std::size_t{0}}) {
+      const std::size_t offset = count == 65536 ? 0 : 40961;
+      std::vector<float> out(count + 1, -7.0f);
+      widen({all.data() + offset, out.data(), count});
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < count; ++i) {
+        const auto expected = std::bit_cast<std::uint32_t>(static_cast<float>(all[offset + i]));
+        const auto got = std::bit_cast<std::uint32_t>(out[i]);
+        // F16C quiets a signaling NaN (sign and payload kept); half.hpp keeps the bits as they are.
+        const bool quieted = std::isnan(out[i]) && got == (expected | 0x00400000u);
+        wrong += got != expected && !quieted;
+      }
+      INFO(isa << ": " << wrong << " of " << count << " conversions differ");
+      CHECK(wrong == 0);
+      CHECK(out[count] == -7.0f);  // nothing past the end
+    }
+  });
+  CHECK(isas >= 1);
+}
+
+/// Rows of `row_stride` floats: random bit patterns, then edge cases in the first rows.
+std::vector<float> adversarial_rows(index_t page_size, std::ptrdiff_t row_stride, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride);
+  for (float& x : rows) x = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));
+  const float edges[] = {0.0f, -0.0f, 65504.0f, 65519.996f, 65520.0f, -65520.0f, 1.0f + 0x1p-11f, 1.0f + 0x1p-10f + 0x1p-11f,
+                         0x1p-24f, 0x1p-25f, 0x1.8p-25f, 0x1p-14f, 0x1.ffcp-15f, 1e-40f, -1e-45f,
+                         std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                         std::bit_cast<float>(0x7F800001u), std::bit_cast<float>(0xFFC00000u),
+                         std::bit_cast<float>(0x7FBFE000u), 1.0f + 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-7f, 3.4e38f};
+  for (std::size_t i = 0; i < std::size(edges) && i < rows.size(); ++i) rows[i * 3 % rows.size()] = edges[i];
+  return rows;
+}
+
+template <class Codec>
+void check_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride) {
+  using Kernel = kernels::cpu::EncodeFloatPlane<Codec>;
+  const Codec codec{};
+  const std::vector<float> rows = adversarial_rows(g.page_size, row_stride, 1000 + g.head_dim);
+  const std::size_t bytes = codec.plane_bytes(g);
+  std::vector<std::byte> expected(bytes);
+  codec.encode(g, rows.data(), row_stride, {}, expected.data());
+  int isas = 0;
+  dispatch::for_each_runnable_isa<Kernel>([&](std::string_view isa, dispatch::CpuFunction<Kernel> encode) {
+    ++isas;
+    std::vector<std::byte> got(bytes + 64, std::byte{0xAB});  // garbage, and a guard after the plane
+    encode({rows.data(), row_stride, g.page_size, g.head_dim, got.data()});
+    std::size_t wrong = 0, guard = 0;
+    for (std::size_t i = 0; i < bytes; ++i) wrong += got[i] != expected[i];
+    for (std::size_t i = bytes; i < got.size(); ++i) guard += got[i] != std::byte{0xAB};
+    INFO(isa << " " << Codec::kName << (Codec::kPlane == Plane::kKey ? " keys" : " values") << " page_size "
+             << g.page_size << " head_dim " << g.head_dim << " row_stride " << row_stride << ": " << wrong << " of "
+             << bytes << " bytes differ");
+    CHECK(wrong == 0);
+    CHECK(guard == 0);
+  });
+  CHECK(isas >= 1);
+}
+
+template <class T>
+void check_encodings() {
+  for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 12},
+                                      quant::PageGeometry{7, 20}, quant::PageGeometry{64, 8}}) {
+    for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 3 + 5}) {
+      check_encoding<quant::FloatCodec<T, Plane::kKey>>(g, stride);
+      check_encoding<quant::FloatCodec<T, Plane::kValue>>(g, stride);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every ISA widens all 65536 fp16 and bf16 patterns exactly as half.hpp does", "[kernels][cpu][write]") {
+  check_widening<half>();
+  check_widening<bfloat16>();
+}
+
+TEST_CASE("every ISA encodes Float pages with exactly the codec's scalar bytes", "[kernels][cpu][write]") {
+  check_encodings<half>();
+  check_encodings<bfloat16>();
+  check_encodings<float>();
+}
