@@ -62,7 +62,7 @@ struct Int8Codec {
       const std::uint16_t scale_bits = half(scale).bits;
       std::memcpy(scales + t * sizeof(scale_bits), &scale_bits, sizeof(scale_bits));
       for (index_t c = 0; c < g.head_dim; ++c) {
-        const std::int8_t code = ggml::to_code(std::roundf(row[c] * inverse), -127.0f, 127.0f, 0);
+        const std::int8_t code = ggml::round_to_int8_code(row[c] * inverse);
         dst[code_byte(g, t, c)] = static_cast<std::byte>(code);
       }
     }

@@ -35,6 +35,7 @@
 
 #include "kvpack/core/half.hpp"
 #include "kvpack/error.hpp"
+#include "kvpack/quant/packed_codes.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 
 namespace kvpack::inline v0::quant {
@@ -74,12 +75,6 @@ std::uint8_t to_code(float x, GroupRange r) noexcept {
   const float q = (x - r.min) / r.scale;
   const float clamped = q > 0.0f ? (q < kTop ? q : kTop) : 0.0f;
   return static_cast<std::uint8_t>(round_to_nearest_even(clamped));
-}
-
-template <int Bits>
-void put_code(std::byte* row, index_t j, std::uint8_t code) noexcept {
-  const std::size_t bit = static_cast<std::size_t>(j) * Bits;
-  row[bit / 8] |= static_cast<std::byte>(code << (bit % 8));
 }
 
 template <int Bits>
@@ -152,9 +147,9 @@ struct KiviKeyCodec : KiviTraits<Bits, Group> {
         kivi_detail::put_half(dst + scales_offset(g) + meta, range.scale);
         kivi_detail::put_half(dst + mins_offset(g) + meta, range.min);
         std::byte* row = dst + row_bytes(g) * c;
-        for (index_t t = group * Group; t < (group + 1) * Group; ++t) {
-          kivi_detail::put_code<Bits>(row, t, kivi_detail::to_code<Bits>(src[t * row_stride + c], range));
-        }
+        put_codes<Bits>(row, group * Group, Group, [&](index_t t) {
+          return kivi_detail::to_code<Bits>(src[t * row_stride + c], range);
+        });
       }
     }
   }
@@ -213,9 +208,8 @@ struct KiviTokenCodec : KiviTraits<Bits, Group> {
         const std::size_t meta = (static_cast<std::size_t>(t) * (g.head_dim / Group) + group) * 2;
         kivi_detail::put_half(dst + scales_offset(g) + meta, range.scale);
         kivi_detail::put_half(dst + mins_offset(g) + meta, range.min);
-        for (index_t c = group * Group; c < (group + 1) * Group; ++c) {
-          kivi_detail::put_code<Bits>(row, c, kivi_detail::to_code<Bits>(x[c], range));
-        }
+        put_codes<Bits>(row, group * Group, Group,
+                                     [&](index_t c) { return kivi_detail::to_code<Bits>(x[c], range); });
       }
     }
   }

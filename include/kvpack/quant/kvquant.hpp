@@ -45,6 +45,7 @@
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/quant/nuq.hpp"
+#include "kvpack/quant/packed_codes.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 
 namespace kvpack::inline v0::quant {
@@ -97,14 +98,6 @@ struct KVQuantValueParams {
 };
 
 namespace kvquant_detail {
-
-template <int Bits>
-void put_code(std::byte* row, index_t j, unsigned code) noexcept {
-  const std::size_t bit = static_cast<std::size_t>(j) * Bits;
-  const unsigned shifted = code << (bit % 8);
-  row[bit / 8] |= static_cast<std::byte>(shifted & 0xFF);
-  if (bit % 8 + Bits > 8) row[bit / 8 + 1] |= static_cast<std::byte>(shifted >> 8);
-}
 
 /// Reads a 16-bit window when the code crosses a byte; the planes keep the byte after every
 /// row readable (the next row or the outlier section follows).
@@ -309,12 +302,11 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
       }
     }
     section.write(dst + outliers_offset(g), kept.sorted(), src, row_stride, g.head_dim);
+    const nuq::NearestLevel nearest(p.rounding());
     for (index_t c = 0; c < g.head_dim; ++c) {
-      std::byte* row = dst + row_bytes(g) * c;
-      for (index_t t = 0; t < g.page_size; ++t) {
-        const float normalised = std::clamp((src[t * row_stride + c] - p.offset[c]) / p.half_range[c], -1.0f, 1.0f);
-        kvquant_detail::put_code<Bits>(row, t, static_cast<unsigned>(nuq::nearest_level(p.rounding(), normalised)));
-      }
+      put_codes<Bits>(dst + row_bytes(g) * c, 0, g.page_size, [&](index_t t) {
+        return nearest(std::clamp((src[t * row_stride + c] - p.offset[c]) / p.half_range[c], -1.0f, 1.0f));
+      });
     }
   }
 
@@ -427,6 +419,7 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
     }
     const std::span<const Candidate> exact = kept.sorted();
     section.write(dst + outliers_offset(g), exact, src, row_stride, d);
+    const nuq::NearestLevel nearest(p.rounding());
     std::size_t next_exact = 0;  // exact is sorted by index = t·d + c
     for (index_t t = 0; t < g.page_size; ++t) {
       const float* x = src + t * row_stride;
@@ -447,11 +440,9 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
       const float half_range = half(0.5f * (hi - lo));
       kvquant_detail::put_u16(dst + offsets_offset(g) + 2 * t, half(offset).bits);
       kvquant_detail::put_u16(dst + ranges_offset(g) + 2 * t, half(half_range).bits);
-      std::byte* row = dst + row_bytes(g) * t;
-      for (index_t c = 0; c < d; ++c) {
-        const float normalised = half_range > 0.0f ? std::clamp((x[c] - offset) / half_range, -1.0f, 1.0f) : 0.0f;
-        kvquant_detail::put_code<Bits>(row, c, static_cast<unsigned>(nuq::nearest_level(p.rounding(), normalised)));
-      }
+      put_codes<Bits>(dst + row_bytes(g) * t, 0, d, [&](index_t c) {
+        return nearest(half_range > 0.0f ? std::clamp((x[c] - offset) / half_range, -1.0f, 1.0f) : 0.0f);
+      });
     }
   }
 

@@ -62,14 +62,28 @@ inline Codebook normal_float_codebook(int bits) {
   return book;
 }
 
-/// The index of the level nearest to x (ties to the lower level; NaN gives 0).
-[[nodiscard]] inline int nearest_level(const Codebook& book, float x) noexcept {
-  int code = 0;
-  for (int i = 1; i < book.size; ++i) {
-    if (x > 0.5f * (book.levels[i - 1] + book.levels[i])) code = i;
+/// The index of a codebook's level nearest to x (ties to the lower level; NaN gives 0), with the
+/// midpoints between levels computed once for the many elements a page codes with one codebook.
+class NearestLevel {
+ public:
+  explicit NearestLevel(const Codebook& book) noexcept : size_(book.size) {
+    for (int i = 1; i < book.size; ++i) midpoint_[i - 1] = 0.5f * (book.levels[i - 1] + book.levels[i]);
   }
-  return code;
-}
+  [[nodiscard]] int operator()(float x) const noexcept {
+    int code = 0;
+    for (int i = 1; i < size_; ++i) {
+      if (x > midpoint_[i - 1]) code = i;
+    }
+    return code;
+  }
+
+ private:
+  std::array<float, 15> midpoint_{};
+  int size_;
+};
+
+/// NearestLevel for one element.
+[[nodiscard]] inline int nearest_level(const Codebook& book, float x) noexcept { return NearestLevel(book)(x); }
 
 /// Weighted 1-D k-means (Lloyd's algorithm) of `samples` in [−1, 1] into 2^b levels, minimising
 /// Σ w_i (x_i − level(x_i))², from the normal-float codebook, at most `max_iterations` rounds
