@@ -208,8 +208,7 @@ struct KiviTokenCodec : KiviTraits<Bits, Group> {
         const std::size_t meta = (static_cast<std::size_t>(t) * (g.head_dim / Group) + group) * 2;
         kivi_detail::put_half(dst + scales_offset(g) + meta, range.scale);
         kivi_detail::put_half(dst + mins_offset(g) + meta, range.min);
-        put_codes<Bits>(row, group * Group, Group,
-                                     [&](index_t c) { return kivi_detail::to_code<Bits>(x[c], range); });
+        put_codes<Bits>(row, group * Group, Group, [&](index_t c) { return kivi_detail::to_code<Bits>(x[c], range); });
       }
     }
   }
