@@ -73,11 +73,10 @@ inline void dequantize_q8_0(const BlockQ8_0& block, float* y) noexcept {
 inline BlockQ4_0 quantize_q4_0(const float* x) noexcept {
   float amax = 0.0f;
   float max = 0.0f;
-  for (int j = 0; j < kBlockSize; ++j) {
-    if (amax < std::fabs(x[j])) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
+  for (int j = 0; j < kBlockSize; ++j) {  // selects rather than branches: the branch mispredicts on data
+    const bool larger = amax < std::fabs(x[j]);
+    amax = larger ? std::fabs(x[j]) : amax;
+    max = larger ? x[j] : max;
   }
   const float d = max / -8.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;

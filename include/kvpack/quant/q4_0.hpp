@@ -63,22 +63,15 @@ struct Q4_0Codec {
     const tile::NibbleAddress at = code_nibble(g, t, c);
     return static_cast<std::uint8_t>((static_cast<unsigned>(plane[at.byte]) >> (4 * at.nibble)) & 0xF);
   }
-  static void set_code(PageGeometry g, std::byte* plane, index_t t, index_t c, unsigned value) noexcept {
-    const tile::NibbleAddress at = code_nibble(g, t, c);
-    const unsigned keep = at.nibble == 0 ? 0xF0u : 0x0Fu;
-    plane[at.byte] = static_cast<std::byte>((static_cast<unsigned>(plane[at.byte]) & keep) |
-                                            ((value & 0xFu) << (4 * at.nibble)));
-  }
-
-  /// Block b of token t, as llama.cpp stores it.
+  /// Block b of token t, as llama.cpp stores it. Both tiles put a block's elements j and j + 16
+  /// in one byte, low and high nibble, as ggml's qs[j] holds them, so its 16 bytes move whole.
   [[nodiscard]] static ggml::BlockQ4_0 read_block(PageGeometry g, const std::byte* plane, index_t t,
                                                   index_t b) noexcept {
     ggml::BlockQ4_0 block;
     std::memcpy(&block.d, plane + scale_byte(g, t, b), sizeof(block.d));
     const index_t c0 = b * ggml::kBlockSize;
     for (index_t j = 0; j < ggml::kBlockSize / 2; ++j) {
-      block.qs[j] = static_cast<std::uint8_t>(code(g, plane, t, c0 + j) |
-                                              (code(g, plane, t, c0 + 16 + j) << 4));
+      block.qs[j] = static_cast<std::uint8_t>(plane[code_nibble(g, t, c0 + j).byte]);
     }
     return block;
   }
@@ -87,8 +80,7 @@ struct Q4_0Codec {
     std::memcpy(plane + scale_byte(g, t, b), &block.d, sizeof(block.d));
     const index_t c0 = b * ggml::kBlockSize;
     for (index_t j = 0; j < ggml::kBlockSize / 2; ++j) {
-      set_code(g, plane, t, c0 + j, block.qs[j] & 0xFu);
-      set_code(g, plane, t, c0 + 16 + j, block.qs[j] >> 4u);
+      plane[code_nibble(g, t, c0 + j).byte] = static_cast<std::byte>(block.qs[j]);
     }
   }
 
