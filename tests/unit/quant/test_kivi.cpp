@@ -98,6 +98,65 @@ void check_roundtrip(bool keys) {
   }
 }
 
+/// Every code is the spec's: clamp(round((x − mn') / s', 0, 2^b − 1)) with the stored (fp16)
+/// s' and mn', rounded to nearest with ties to even; 0 where s' == 0. `src` may add groups whose
+/// quotients are exact ties.
+template <class Codec, int Bits, int Group>
+void check_codes(bool keys, PageGeometry g, const std::vector<float>& src, std::ptrdiff_t stride) {
+  const Codec codec{};
+  const std::vector<std::byte> plane = encode_checked(codec, g, src.data(), stride, q::NoParams{});
+  Mismatches m;
+  for (index_t t = 0; t < g.page_size; ++t) {
+    for (index_t c = 0; c < g.head_dim; ++c) {
+      const std::size_t meta = keys ? (static_cast<std::size_t>(t / Group) * g.head_dim + c) * 2
+                                    : (static_cast<std::size_t>(t) * (g.head_dim / Group) + c / Group) * 2;
+      const auto scale = static_cast<float>(doc_half(plane.data() + Codec::scales_offset(g) + meta));
+      const auto min = static_cast<float>(doc_half(plane.data() + Codec::mins_offset(g) + meta));
+      const float top = static_cast<float>((1 << Bits) - 1);
+      const float quotient = (src[t * stride + c] - min) / scale;
+      const double expected = scale == 0.0f ? 0.0 : std::nearbyint(std::clamp(quotient, 0.0f, top));
+      const std::byte* row = plane.data() + Codec::row_bytes(g) * static_cast<std::size_t>(keys ? c : t);
+      const double code = doc_code(row, keys ? t : c, Bits);
+      if (code != expected) {
+        m.add("t=" + std::to_string(t) + " c=" + std::to_string(c) + " (x - min) / s = " + fmt(quotient) + ": code " +
+              fmt(code) + ", expected " + fmt(expected));
+      }
+    }
+  }
+  report(m);
+}
+
+/// Rows whose every group of `Group` elements (along tokens for keys, channels for values) runs
+/// from 0 to 2^b − 1 with the other elements at k + 0.5: scale 1 and min 0 exactly in fp16, so
+/// each quotient is a tie.
+template <int Bits, int Group>
+std::vector<float> tie_rows(bool keys, PageGeometry g, std::ptrdiff_t stride) {
+  std::vector<float> src(static_cast<std::size_t>(g.page_size) * static_cast<std::size_t>(stride), kPoison);
+  const float top = static_cast<float>((1 << Bits) - 1);
+  for (index_t t = 0; t < g.page_size; ++t) {
+    for (index_t c = 0; c < g.head_dim; ++c) {
+      const index_t i = keys ? t % Group : c % Group;  // position in the group
+      src[t * stride + c] = i == 0 ? 0.0f : i == 1 ? top : static_cast<float>((i + t + c) % (1 << Bits)) - 0.5f;
+      if (src[t * stride + c] < 0.0f) src[t * stride + c] = 0.5f;
+    }
+  }
+  return src;
+}
+
+template <class Codec, int Bits, int Group>
+void check_codes_everywhere(bool keys) {
+  std::uint32_t seed = 901;
+  for (PageGeometry g : kivi_geometries(Group)) {
+    const std::ptrdiff_t stride = g.head_dim + 3;
+    for (Data kind : kAllData) {
+      INFO(describe(g) << " data " << name(kind));
+      check_codes<Codec, Bits, Group>(keys, g, make_rows(kind, g, stride, ++seed), stride);
+    }
+    INFO(describe(g) << " ties");
+    check_codes<Codec, Bits, Group>(keys, g, tie_rows<Bits, Group>(keys, g, stride), stride);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("KIVI keys: per channel over token groups, within the asymmetric quantization bound", "[quant][kivi]") {
@@ -140,4 +199,11 @@ TEST_CASE("KIVI's bytes give exactly b + 32/G bits per element; bad geometries a
   CHECK_THROWS_WITH(kivi2.key.validate({16, 128}), Catch::Contains("groups of 32 tokens"));
   CHECK_THROWS_WITH(kivi2.value.validate({32, 8}), Catch::Contains("head_dim 8"));
   CHECK(q::KIVI<2>::name() == "kivi2_g32");
+}
+
+TEST_CASE("KIVI codes are the spec's rounding of (x - min') / s', ties to even", "[quant][kivi]") {
+  check_codes_everywhere<q::KiviKeyCodec<2, 32>, 2, 32>(true);
+  check_codes_everywhere<q::KiviKeyCodec<4, 64>, 4, 64>(true);
+  check_codes_everywhere<q::KiviValueCodec<4, 32>, 4, 32>(false);
+  check_codes_everywhere<q::KiviValueCodec<2, 128>, 2, 128>(false);
 }
