@@ -57,12 +57,6 @@ struct Q4_0Codec {
                                                                  index_t c) noexcept {
     return kPlane == Plane::kKey ? tile::key_nibble(g, t, c) : tile::value_nibble(g, t, c);
   }
-  /// The 4-bit code (0..15) of (token t, channel c).
-  [[nodiscard]] static std::uint8_t code(PageGeometry g, const std::byte* plane, index_t t,
-                                         index_t c) noexcept {
-    const tile::NibbleAddress at = code_nibble(g, t, c);
-    return static_cast<std::uint8_t>((static_cast<unsigned>(plane[at.byte]) >> (4 * at.nibble)) & 0xF);
-  }
   /// Block b of token t, as llama.cpp stores it. Both tiles put a block's elements j and j + 16
   /// in one byte, low and high nibble, as ggml's qs[j] holds them, so its 16 bytes move whole.
   [[nodiscard]] static ggml::BlockQ4_0 read_block(PageGeometry g, const std::byte* plane, index_t t,
