@@ -32,6 +32,7 @@
 #include "kvpack/paging/page_pool.hpp"
 #include "kvpack/paging/prefix_index.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
+#include "kvpack/quant/tile_layout.hpp"
 #include "kvpack/select/dense.hpp"
 #include "kvpack/select/quest.hpp"
 #include "kvpack/select/select_concepts.hpp"
@@ -1453,8 +1454,11 @@ class KVCache {
                            std::vector<float>& staging) {
     const auto encode = [&](const float* rows, std::ptrdiff_t row_stride) {
       if constexpr (quant::is_float_codec_v<Codec>) {
-        // Float pages through the SIMD write kernel (its bytes are the codec's own).
+        // Float, Int8 and Q8_0 pages through SIMD write kernels (their bytes are the codecs' own).
         dispatch::cpu_kernel<kernels::cpu::EncodeFloatPlane<Codec>>()(
+            {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
+      } else if constexpr (quant::tile::is_int8_pair_codec_v<Codec>) {
+        dispatch::cpu_kernel<kernels::cpu::EncodeInt8Plane<Codec>>()(
             {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
       } else {
         codec.encode(geometry, rows, row_stride, params, plane);

@@ -3,13 +3,16 @@
 // 65536 patterns (but that F16C sets a signaling NaN's quiet bit), and encoding a Float page plane must write exactly the bytes of the codec's
 // scalar `encode`, over random 32-bit patterns (every NaN payload, Inf, fp32 subnormals), ties,
 // the fp16 overflow edge, head_dim and page sizes that are not multiples of a vector, and rows
-// further apart than head_dim. Nothing outside the plane may be written.
+// further apart than head_dim. Nothing outside the plane may be written. The same holds for the
+// Int8 and Q8_0 encoders (encode_int8.hpp), whose rows add exact rounding ties and their
+// neighbours, zero rows and scales whose inverse overflows to infinity.
 
 #include <catch2/catch.hpp>
 
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string_view>
@@ -101,6 +104,70 @@ void check_encodings() {
   }
 }
 
+/// Rows for the 8-bit integer encoders, one data family per token: Gaussian with an outlier
+/// channel (and NaN in some); exact ties of the rounding (d = 2^s, so x·(1/d) = k + 1/2 exactly); the floats
+/// either side of those ties; zeros next to scales so small that 1/d overflows to infinity; and
+/// random 32-bit patterns (NaN, Inf, huge and subnormal values).
+std::vector<float> int8_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> gaussian;
+  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
+  for (index_t t = 0; t < page_size; ++t) {
+    float* row = rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride;
+    const float power = std::ldexp(1.0f, t % 7 - 3);
+    for (index_t c = 0; c < head_dim; ++c) {
+      const float tie = (static_cast<float>(rng() % 254) - 127.0f + 0.5f) * power;  // |tie| ≤ 126.5·2^s
+      const float peak = (c % 2 ? 127.0f : -127.0f) * power;                        // d = 2^s per 32 channels
+      switch (t % 5) {
+        case 0:  // NaN at the end of a scale group in every other such row: a maximum must skip it
+          row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f);
+          if (t % 10 == 5 && (c % 32 == 31 || c == head_dim - 1)) row[c] = std::nanf("");
+          break;
+        case 1: row[c] = c % 32 == 5 ? peak : tie; break;
+        case 2: row[c] = c % 32 == 5 ? peak : std::nextafter(tie, rng() % 2 ? 0.0f : 1000.0f); break;
+        case 3: row[c] = c < 32 ? 0.0f : (c % 3 == 0 ? 1e-38f : -0.0f); break;
+        default: row[c] = std::bit_cast<float>(static_cast<std::uint32_t>(rng())); break;
+      }
+    }
+  }
+  return rows;
+}
+
+template <class Codec>
+void check_int8_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride) {
+  using Kernel = kernels::cpu::EncodeInt8Plane<Codec>;
+  const Codec codec{};
+  const std::vector<float> rows = int8_rows(g.page_size, g.head_dim, row_stride, 2000 + g.head_dim);
+  const std::size_t bytes = codec.plane_bytes(g);
+  std::vector<std::byte> expected(bytes);
+  codec.encode(g, rows.data(), row_stride, {}, expected.data());
+  int isas = 0;
+  dispatch::for_each_runnable_isa<Kernel>([&](std::string_view isa, dispatch::CpuFunction<Kernel> encode) {
+    ++isas;
+    std::vector<std::byte> got(bytes + 64, std::byte{0xAB});
+    encode({rows.data(), row_stride, g.page_size, g.head_dim, got.data()});
+    std::size_t wrong = 0, guard = 0;
+    for (std::size_t i = 0; i < bytes; ++i) wrong += got[i] != expected[i];
+    for (std::size_t i = bytes; i < got.size(); ++i) guard += got[i] != std::byte{0xAB};
+    INFO(isa << " " << Codec::kName << (Codec::kPlane == Plane::kKey ? " keys" : " values") << " page_size "
+             << g.page_size << " head_dim " << g.head_dim << " row_stride " << row_stride << ": " << wrong << " of "
+             << bytes << " bytes differ");
+    CHECK(wrong == 0);
+    CHECK(guard == 0);
+  });
+  CHECK(isas >= 1);
+}
+
+template <template <Plane> class Codec>
+void check_int8_encodings(std::initializer_list<quant::PageGeometry> geometries) {
+  for (const quant::PageGeometry g : geometries) {
+    for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 2 + 3}) {
+      check_int8_encoding<Codec<Plane::kKey>>(g, stride);
+      check_int8_encoding<Codec<Plane::kValue>>(g, stride);
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("every ISA widens all 65536 fp16 and bf16 patterns exactly as half.hpp does", "[kernels][cpu][write]") {
@@ -112,4 +179,13 @@ TEST_CASE("every ISA encodes Float pages with exactly the codec's scalar bytes",
   check_encodings<half>();
   check_encodings<bfloat16>();
   check_encodings<float>();
+}
+
+TEST_CASE("every ISA encodes Int8 and Q8_0 pages with exactly the codec's scalar bytes", "[kernels][cpu][write]") {
+  // head_dim 8, 24 and 40 leave a half vector; 2048 is Q8_0's largest (64 scale blocks).
+  check_int8_encodings<quant::Int8Codec>({quant::PageGeometry{2, 8}, quant::PageGeometry{16, 24},
+                                          quant::PageGeometry{32, 128}, quant::PageGeometry{10, 40},
+                                          quant::PageGeometry{4, 1096}});
+  check_int8_encodings<quant::Q8_0Codec>({quant::PageGeometry{2, 32}, quant::PageGeometry{16, 96},
+                                          quant::PageGeometry{32, 128}, quant::PageGeometry{6, 2048}});
 }

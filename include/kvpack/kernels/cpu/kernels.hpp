@@ -81,4 +81,12 @@ struct EncodeFloatPlane {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
+/// One plane of a quant::Int8 or quant::Q8_0 page encoded from fp32 rows: the codec's own bytes.
+template <class Codec>
+struct EncodeInt8Plane {
+  using args_type = EncodeRowsArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -4,6 +4,7 @@
 
 #include "kvpack/kernels/cpu/channel_major.hpp"
 #include "kvpack/kernels/cpu/convert.hpp"
+#include "kvpack/kernels/cpu/encode_int8.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
@@ -66,6 +67,12 @@ template <class Codec>
 template <class Arch>
 void EncodeFloatPlane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
   encode_float_plane(arch, std::type_identity<Codec>{}, args);
+}
+
+template <class Codec>
+template <class Arch>
+void EncodeInt8Plane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
+  encode_int8_plane(arch, std::type_identity<Codec>{}, args);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

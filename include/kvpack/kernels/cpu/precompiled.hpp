@@ -5,9 +5,9 @@
 /// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
 /// 4-bit groups of 128, which take the fused kernels' other lane arrangements), the pre-RoPE key
 /// scorers of every element format and KVQuant, layout::MLA's page decoders for the usual latent
-/// and RoPE formats, and the write path's conversions (convert.hpp). A kernel not listed here (a
-/// user's own codec) still works: it is compiled inline for the including file's own target
-/// (`default_arch`).
+/// and RoPE formats, and the write path's conversions and encoders (convert.hpp, encode_int8.hpp).
+/// A kernel not listed here (a user's own codec) still works: it is compiled inline for the
+/// including file's own target (`default_arch`).
 
 #include <type_traits>
 
@@ -90,6 +90,10 @@ using EncodeF16Keys = EncodeFloatPlane<quant::FloatCodec<half, Plane::kKey>>;
 using EncodeF16Values = EncodeFloatPlane<quant::FloatCodec<half, Plane::kValue>>;
 using EncodeBF16Keys = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kKey>>;
 using EncodeBF16Values = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kValue>>;
+using EncodeInt8Keys = EncodeInt8Plane<quant::Int8Codec<Plane::kKey>>;
+using EncodeInt8Values = EncodeInt8Plane<quant::Int8Codec<Plane::kValue>>;
+using EncodeQ8_0Keys = EncodeInt8Plane<quant::Q8_0Codec<Plane::kKey>>;
+using EncodeQ8_0Values = EncodeInt8Plane<quant::Q8_0Codec<Plane::kValue>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -116,7 +120,8 @@ using EncodeBF16Values = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kVa
   X(precompiled::DecodeLatentE4M3) X(precompiled::DecodeLatentQ8_0) X(precompiled::DecodeLatentQ4_0)     \
   X(precompiled::WidenF16) X(precompiled::WidenBF16) X(precompiled::EncodeF32Keys)                        \
   X(precompiled::EncodeF32Values) X(precompiled::EncodeF16Keys) X(precompiled::EncodeF16Values)           \
-  X(precompiled::EncodeBF16Keys) X(precompiled::EncodeBF16Values)
+  X(precompiled::EncodeBF16Keys) X(precompiled::EncodeBF16Values) X(precompiled::EncodeInt8Keys)          \
+  X(precompiled::EncodeInt8Values) X(precompiled::EncodeQ8_0Keys) X(precompiled::EncodeQ8_0Values)
 
 namespace kvpack::inline v0::kernels::cpu {
 
