@@ -1453,12 +1453,15 @@ class KVCache {
                            const typename Codec::params_type& params, std::byte* plane,
                            std::vector<float>& staging) {
     const auto encode = [&](const float* rows, std::ptrdiff_t row_stride) {
+      // Float, Int8, Q8_0 and Q4_0 pages through SIMD write kernels (their bytes are the codecs' own).
       if constexpr (quant::is_float_codec_v<Codec>) {
-        // Float, Int8 and Q8_0 pages through SIMD write kernels (their bytes are the codecs' own).
         dispatch::cpu_kernel<kernels::cpu::EncodeFloatPlane<Codec>>()(
             {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
       } else if constexpr (quant::tile::is_int8_pair_codec_v<Codec>) {
         dispatch::cpu_kernel<kernels::cpu::EncodeInt8Plane<Codec>>()(
+            {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
+      } else if constexpr (quant::tile::is_q4_0_codec_v<Codec>) {
+        dispatch::cpu_kernel<kernels::cpu::EncodeQ4_0Plane<Codec>>()(
             {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
       } else {
         codec.encode(geometry, rows, row_stride, params, plane);

@@ -38,6 +38,22 @@ inline std::int8_t round_to_int8_code(float value) noexcept {
   return static_cast<std::int8_t>(whole + (fraction >= 0.5f) - (fraction <= -0.5f));
 }
 
+/// a·b rounded to float, never fused with the addition that follows it. Where FMA is enabled,
+/// GCC contracts a·b + c into one FMA even across statements (-ffp-contract=fast, its default for
+/// GNU C++), which rounds once instead of twice and moves q4_0 codes that sit on a boundary: the
+/// same source stored other bytes in kvpack's per-ISA kernel objects (FMA on) or a -march=native
+/// build than at the x86-64 baseline. The empty asm makes the product a value the compiler must
+/// materialise, so every build rounds twice, as ggml's reference reads.
+inline float unfused_product(float a, float b) noexcept {
+  float product = a * b;
+#if defined(__GNUC__) && defined(__x86_64__)
+  __asm__("" : "+x"(product));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(product));
+#endif
+  return product;
+}
+
 /// ggml `block_q8_0`: 34 bytes per 32 elements = 8.5 bits per element.
 struct BlockQ8_0 {
   std::uint16_t d;                ///< scale, fp16 bits: amax / 127
@@ -84,8 +100,9 @@ inline BlockQ4_0 quantize_q4_0(const float* x) noexcept {
   block.d = half(d).bits;
   for (int j = 0; j < kBlockSize / 2; ++j) {
     // (int8_t)(x·id + 8.5) truncates toward zero, then MIN(15, ·): ggml's q4_0 rounding.
-    const auto lo = static_cast<std::uint8_t>(to_code(std::trunc(x[j] * id + 8.5f), 0.0f, 15.0f, 8));
-    const auto hi = static_cast<std::uint8_t>(to_code(std::trunc(x[j + 16] * id + 8.5f), 0.0f, 15.0f, 8));
+    const auto lo = static_cast<std::uint8_t>(to_code(std::trunc(unfused_product(x[j], id) + 8.5f), 0.0f, 15.0f, 8));
+    const auto hi =
+        static_cast<std::uint8_t>(to_code(std::trunc(unfused_product(x[j + 16], id) + 8.5f), 0.0f, 15.0f, 8));
     block.qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
   }
   return block;

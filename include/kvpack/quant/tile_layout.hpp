@@ -47,6 +47,11 @@ namespace kvpack::inline v0::quant::tile {
 template <class Codec>
 inline constexpr bool is_int8_pair_codec_v = false;
 
+/// Whether Codec is one of Q4_0Codec's planes, which use the nibble tiles below (the cache
+/// encodes those with a SIMD kernel).
+template <class Codec>
+inline constexpr bool is_q4_0_codec_v = false;
+
 /// A 4-bit code's byte offset and nibble (0 = low, 1 = high).
 struct NibbleAddress {
   std::size_t byte;

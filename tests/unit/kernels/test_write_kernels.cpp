@@ -4,8 +4,8 @@
 // scalar `encode`, over random 32-bit patterns (every NaN payload, Inf, fp32 subnormals), ties,
 // the fp16 overflow edge, head_dim and page sizes that are not multiples of a vector, and rows
 // further apart than head_dim. Nothing outside the plane may be written. The same holds for the
-// Int8 and Q8_0 encoders (encode_int8.hpp), whose rows add exact rounding ties and their
-// neighbours, zero rows and scales whose inverse overflows to infinity.
+// Int8, Q8_0 and Q4_0 encoders (encode_int8.hpp, encode_q4_0.hpp), whose rows add exact rounding
+// ties or code boundaries and their neighbours, zero rows and scales whose inverse overflows.
 
 #include <catch2/catch.hpp>
 
@@ -133,11 +133,43 @@ std::vector<float> int8_rows(index_t page_size, index_t head_dim, std::ptrdiff_t
   return rows;
 }
 
-template <class Codec>
-void check_int8_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride) {
-  using Kernel = kernels::cpu::EncodeInt8Plane<Codec>;
+/// Rows for the q4_0 encoder, one data family per token: Gaussian with an outlier channel (NaN in
+/// some); values on the code boundaries x = (n - 8.5)·d for an inexact 1/d, and the floats either
+/// side; the largest magnitude twice with both signs, so the first one must set the sign of d;
+/// zeros and -0 next to scales whose inverse overflows; random 32-bit patterns.
+std::vector<float> q4_0_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> gaussian;
+  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
+  for (index_t t = 0; t < page_size; ++t) {
+    float* row = rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride;
+    const float peak = static_cast<float>(1 + rng() % 997) / 7.0f;  // d = peak / -8, 1/d inexact
+    const float d = peak / -8.0f;
+    for (index_t c = 0; c < head_dim; ++c) {
+      const float boundary = (static_cast<float>(1 + rng() % 15) - 8.5f) * d;
+      switch (t % 5) {
+        case 0:
+          row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f);
+          if (t % 10 == 5 && c % 32 == 31) row[c] = std::nanf("");
+          break;
+        case 1: {
+          const float toward = rng() % 3 == 0 ? 0.0f : rng() % 2 ? 1e3f : -1e3f;
+          row[c] = c % 32 == 7 ? peak : std::nextafter(boundary, toward);
+          break;
+        }
+        case 2: row[c] = c % 32 == 9 ? -peak : c % 32 == 20 ? peak : boundary; break;
+        case 3: row[c] = c < 32 ? (c % 2 ? -0.0f : 0.0f) : (c % 3 == 0 ? 1e-38f : -0.0f); break;
+        default: row[c] = std::bit_cast<float>(static_cast<std::uint32_t>(rng())); break;
+      }
+    }
+  }
+  return rows;
+}
+
+/// The kernel's plane must be the codec's scalar `encode`, byte for byte, on every ISA.
+template <class Kernel, class Codec>
+void check_quantized_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, const std::vector<float>& rows) {
   const Codec codec{};
-  const std::vector<float> rows = int8_rows(g.page_size, g.head_dim, row_stride, 2000 + g.head_dim);
   const std::size_t bytes = codec.plane_bytes(g);
   std::vector<std::byte> expected(bytes);
   codec.encode(g, rows.data(), row_stride, {}, expected.data());
@@ -162,8 +194,10 @@ template <template <Plane> class Codec>
 void check_int8_encodings(std::initializer_list<quant::PageGeometry> geometries) {
   for (const quant::PageGeometry g : geometries) {
     for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 2 + 3}) {
-      check_int8_encoding<Codec<Plane::kKey>>(g, stride);
-      check_int8_encoding<Codec<Plane::kValue>>(g, stride);
+      const std::vector<float> rows = int8_rows(g.page_size, g.head_dim, stride, 2000 + g.head_dim);
+      check_quantized_encoding<kernels::cpu::EncodeInt8Plane<Codec<Plane::kKey>>, Codec<Plane::kKey>>(g, stride, rows);
+      check_quantized_encoding<kernels::cpu::EncodeInt8Plane<Codec<Plane::kValue>>, Codec<Plane::kValue>>(g, stride,
+                                                                                                         rows);
     }
   }
 }
@@ -188,4 +222,17 @@ TEST_CASE("every ISA encodes Int8 and Q8_0 pages with exactly the codec's scalar
                                           quant::PageGeometry{4, 1096}});
   check_int8_encodings<quant::Q8_0Codec>({quant::PageGeometry{2, 32}, quant::PageGeometry{16, 96},
                                           quant::PageGeometry{32, 128}, quant::PageGeometry{6, 2048}});
+}
+
+TEST_CASE("every ISA encodes Q4_0 pages with exactly the codec's scalar bytes", "[kernels][cpu][write]") {
+  using Keys = quant::Q4_0Codec<Plane::kKey>;
+  using Values = quant::Q4_0Codec<Plane::kValue>;
+  for (const quant::PageGeometry g : {quant::PageGeometry{4, 32}, quant::PageGeometry{16, 96},
+                                      quant::PageGeometry{32, 128}, quant::PageGeometry{12, 2048}}) {
+    for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 2 + 3}) {
+      const std::vector<float> rows = q4_0_rows(g.page_size, g.head_dim, stride, 3000 + g.head_dim);
+      check_quantized_encoding<kernels::cpu::EncodeQ4_0Plane<Keys>, Keys>(g, stride, rows);
+      check_quantized_encoding<kernels::cpu::EncodeQ4_0Plane<Values>, Values>(g, stride, rows);
+    }
+  }
 }

@@ -89,4 +89,12 @@ struct EncodeInt8Plane {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
+/// One plane of a quant::Q4_0 page encoded from fp32 rows: the codec's own bytes.
+template <class Codec>
+struct EncodeQ4_0Plane {
+  using args_type = EncodeRowsArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -5,7 +5,7 @@
 /// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
 /// 4-bit groups of 128, which take the fused kernels' other lane arrangements), the pre-RoPE key
 /// scorers of every element format and KVQuant, layout::MLA's page decoders for the usual latent
-/// and RoPE formats, and the write path's conversions and encoders (convert.hpp, encode_int8.hpp).
+/// and RoPE formats, and the write path's conversions and encoders (convert.hpp, encode_*.hpp).
 /// A kernel not listed here (a user's own codec) still works: it is compiled inline for the
 /// including file's own target (`default_arch`).
 
@@ -94,6 +94,8 @@ using EncodeInt8Keys = EncodeInt8Plane<quant::Int8Codec<Plane::kKey>>;
 using EncodeInt8Values = EncodeInt8Plane<quant::Int8Codec<Plane::kValue>>;
 using EncodeQ8_0Keys = EncodeInt8Plane<quant::Q8_0Codec<Plane::kKey>>;
 using EncodeQ8_0Values = EncodeInt8Plane<quant::Q8_0Codec<Plane::kValue>>;
+using EncodeQ4_0Keys = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kKey>>;
+using EncodeQ4_0Values = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kValue>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -121,7 +123,8 @@ using EncodeQ8_0Values = EncodeInt8Plane<quant::Q8_0Codec<Plane::kValue>>;
   X(precompiled::WidenF16) X(precompiled::WidenBF16) X(precompiled::EncodeF32Keys)                        \
   X(precompiled::EncodeF32Values) X(precompiled::EncodeF16Keys) X(precompiled::EncodeF16Values)           \
   X(precompiled::EncodeBF16Keys) X(precompiled::EncodeBF16Values) X(precompiled::EncodeInt8Keys)          \
-  X(precompiled::EncodeInt8Values) X(precompiled::EncodeQ8_0Keys) X(precompiled::EncodeQ8_0Values)
+  X(precompiled::EncodeInt8Values) X(precompiled::EncodeQ8_0Keys) X(precompiled::EncodeQ8_0Values)         \
+  X(precompiled::EncodeQ4_0Keys) X(precompiled::EncodeQ4_0Values)
 
 namespace kvpack::inline v0::kernels::cpu {
 
