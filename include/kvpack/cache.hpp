@@ -1453,19 +1453,22 @@ class KVCache {
                            const typename Codec::params_type& params, std::byte* plane,
                            std::vector<float>& staging) {
     const auto encode = [&](const float* rows, std::ptrdiff_t row_stride) {
-      // Float, Int8, Q8_0 and Q4_0 pages through SIMD write kernels (their bytes are the codecs' own).
+      // Float, Int8, Q8_0, Q4_0 and KIVI pages go through SIMD write kernels (the codecs' own
+      // bytes); a page a kernel declines, and every other codec's, through the codec's encode.
+      bool declined = false;
+      const kernels::EncodeRowsArgs args{rows, row_stride, geometry.page_size, geometry.head_dim, plane, &declined};
       if constexpr (quant::is_float_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeFloatPlane<Codec>>()(
-            {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
+        dispatch::cpu_kernel<kernels::cpu::EncodeFloatPlane<Codec>>()(args);
       } else if constexpr (quant::tile::is_int8_pair_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeInt8Plane<Codec>>()(
-            {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
+        dispatch::cpu_kernel<kernels::cpu::EncodeInt8Plane<Codec>>()(args);
       } else if constexpr (quant::tile::is_q4_0_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeQ4_0Plane<Codec>>()(
-            {rows, row_stride, geometry.page_size, geometry.head_dim, plane});
+        dispatch::cpu_kernel<kernels::cpu::EncodeQ4_0Plane<Codec>>()(args);
+      } else if constexpr (quant::is_kivi_codec_v<Codec>) {
+        dispatch::cpu_kernel<kernels::cpu::EncodeKiviPlane<Codec>>()(args);
       } else {
-        codec.encode(geometry, rows, row_stride, params, plane);
+        declined = true;
       }
+      if (declined) codec.encode(geometry, rows, row_stride, params, plane);
     };
     if (begin >= tail_count) {
       encode(row_of(begin), static_cast<std::ptrdiff_t>(input_row));

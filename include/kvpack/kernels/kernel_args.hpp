@@ -114,14 +114,19 @@ struct WidenArgs {
   std::size_t count = 0;
 };
 
-/// Arguments of EncodeFloatPlane: page_size rows of head_dim floats, row t at rows + t·row_stride,
-/// encoded into one quant::Float<T> plane.
+/// Arguments of the page encoders (EncodeFloatPlane, EncodeInt8Plane, ...): page_size rows of
+/// head_dim floats, row t at rows + t·row_stride, encoded into one plane.
 struct EncodeRowsArgs {
   const float* rows = nullptr;
   std::ptrdiff_t row_stride = 0;
   index_t page_size = 0;
   index_t head_dim = 0;
   std::byte* plane = nullptr;
+  /// Set to true by an encoder that leaves the plane to the codec's scalar `encode` (no vector
+  /// path on this ISA, or input it does not handle). The caller runs `encode` then: calling it
+  /// from a per-ISA object would compile it, out of line, with that object's instructions
+  /// (STYLE.md §5.2). Float planes are never declined.
+  bool* declined = nullptr;
 };
 
 /// Scratch floats every key and value kernel may use for one call (per-page staging of scales,

@@ -4,11 +4,12 @@
 // scalar `encode`, over random 32-bit patterns (every NaN payload, Inf, fp32 subnormals), ties,
 // the fp16 overflow edge, head_dim and page sizes that are not multiples of a vector, and rows
 // further apart than head_dim. Nothing outside the plane may be written. The same holds for the
-// Int8, Q8_0 and Q4_0 encoders (encode_int8.hpp, encode_q4_0.hpp), whose rows add exact rounding
-// ties or code boundaries and their neighbours, zero rows and scales whose inverse overflows.
+// Int8, Q8_0, Q4_0 and KIVI encoders (encode_*.hpp), whose rows add exact rounding ties or code
+// boundaries and their neighbours, signed zeros, constant groups and scales that overflow.
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -166,9 +167,12 @@ std::vector<float> q4_0_rows(index_t page_size, index_t head_dim, std::ptrdiff_t
   return rows;
 }
 
-/// The kernel's plane must be the codec's scalar `encode`, byte for byte, on every ISA.
+/// The kernel's plane must be the codec's scalar `encode`, byte for byte, on every ISA that does
+/// not decline the page. AVX-512 must encode it unless `may_decline` (KIVI's pages with NaN);
+/// a declining kernel must not write.
 template <class Kernel, class Codec>
-void check_quantized_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, const std::vector<float>& rows) {
+void check_quantized_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, const std::vector<float>& rows,
+                              bool may_decline = false) {
   const Codec codec{};
   const std::size_t bytes = codec.plane_bytes(g);
   std::vector<std::byte> expected(bytes);
@@ -177,7 +181,14 @@ void check_quantized_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, 
   dispatch::for_each_runnable_isa<Kernel>([&](std::string_view isa, dispatch::CpuFunction<Kernel> encode) {
     ++isas;
     std::vector<std::byte> got(bytes + 64, std::byte{0xAB});
-    encode({rows.data(), row_stride, g.page_size, g.head_dim, got.data()});
+    bool declined = false;
+    encode({rows.data(), row_stride, g.page_size, g.head_dim, got.data(), &declined});
+    INFO(isa << " " << Codec::kName << (declined ? " declined" : " encoded") << " the page");
+    if (isa == "avx512" && !may_decline) CHECK_FALSE(declined);
+    if (declined) {
+      CHECK(std::count(got.begin(), got.end(), std::byte{0xAB}) == static_cast<std::ptrdiff_t>(got.size()));
+      return;
+    }
     std::size_t wrong = 0, guard = 0;
     for (std::size_t i = 0; i < bytes; ++i) wrong += got[i] != expected[i];
     for (std::size_t i = bytes; i < got.size(); ++i) guard += got[i] != std::byte{0xAB};
@@ -198,6 +209,58 @@ void check_int8_encodings(std::initializer_list<quant::PageGeometry> geometries)
       check_quantized_encoding<kernels::cpu::EncodeInt8Plane<Codec<Plane::kKey>>, Codec<Plane::kKey>>(g, stride, rows);
       check_quantized_encoding<kernels::cpu::EncodeInt8Plane<Codec<Plane::kValue>>, Codec<Plane::kValue>>(g, stride,
                                                                                                          rows);
+    }
+  }
+}
+
+/// Rows for the KIVI encoders, one data family per token (so every key group mixes them): Gaussian
+/// with an outlier channel; exact rounding ties (a group spans [0, 2^b − 1], so s = 1 and
+/// (x − min') / s = k + 1/2); +0 and −0 as the smallest and largest values; constant rows (s = 0);
+/// ±Inf; huge values whose range overflows; and, in `with_nan` rows, NaN. `only_family` ≥ 0
+/// gives every token that family, so key groups (along tokens) see ties and signed zeros too.
+std::vector<float> kivi_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, int bits, bool with_nan,
+                             int only_family, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> gaussian;
+  const float top = static_cast<float>((1 << bits) - 1);
+  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
+  for (index_t t = 0; t < page_size; ++t) {
+    float* row = rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride;
+    for (index_t c = 0; c < head_dim; ++c) {
+      const float tie = static_cast<float>(rng() % (1 << bits)) + (rng() % 2 ? 0.5f : 0.0f);
+      switch (only_family >= 0 ? only_family : t % 7) {
+        case 0: row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f); break;
+        case 1: row[c] = c % 8 == 0 ? 0.0f : c % 8 == 1 ? top : (tie > top ? top : tie); break;
+        case 2: row[c] = 0.1f; break;  // not an fp16 value: x − min' ≠ 0 where s = 0
+        case 3: row[c] = c % 3 == 0 ? -0.0f : c % 3 == 1 ? 0.0f : gaussian(rng) > 0 ? -0.0f : 0.0f; break;
+        case 4: row[c] = c % 5 == 0 ? INFINITY : c % 5 == 1 ? -INFINITY : gaussian(rng); break;
+        case 5: row[c] = (rng() % 2 ? 3e38f : -3e38f) * (c % 4 == 0 ? 1.0f : 0.5f); break;
+        default: row[c] = with_nan && c % 6 == 5 ? std::nanf("") : static_cast<float>(c % 7); break;
+      }
+    }
+  }
+  return rows;
+}
+
+template <int Bits, int Group>
+void check_kivi_encodings() {
+  using Keys = quant::KiviKeyCodec<Bits, Group>;
+  using Values = quant::KiviValueCodec<Bits, Group>;
+  using TokenKeys = quant::KiviTokenCodec<Bits, Group, Plane::kKey>;
+  // head_dim 12 and 40 leave part of a vector of channels (keys); two groups per page.
+  for (const quant::PageGeometry g : {quant::PageGeometry{Group, 128}, quant::PageGeometry{2 * Group, 12},
+                                      quant::PageGeometry{Group, 40}, quant::PageGeometry{2 * Group, 256}}) {
+    for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 2 + 3}) {
+      for (const bool with_nan : {false, true}) {
+        for (const int family : {-1, 1, 2, 3, 6}) {
+          const std::vector<float> rows =
+              kivi_rows(g.page_size, g.head_dim, stride, Bits, with_nan, family, 4000 + g.head_dim);
+          check_quantized_encoding<kernels::cpu::EncodeKiviPlane<Keys>, Keys>(g, stride, rows, with_nan);
+          if (g.head_dim % Group != 0) continue;
+          check_quantized_encoding<kernels::cpu::EncodeKiviPlane<Values>, Values>(g, stride, rows, with_nan);
+          check_quantized_encoding<kernels::cpu::EncodeKiviPlane<TokenKeys>, TokenKeys>(g, stride, rows, with_nan);
+        }
+      }
     }
   }
 }
@@ -235,4 +298,11 @@ TEST_CASE("every ISA encodes Q4_0 pages with exactly the codec's scalar bytes", 
       check_quantized_encoding<kernels::cpu::EncodeQ4_0Plane<Values>, Values>(g, stride, rows);
     }
   }
+}
+
+TEST_CASE("every ISA encodes KIVI pages with exactly the codec's scalar bytes", "[kernels][cpu][write]") {
+  check_kivi_encodings<2, 32>();
+  check_kivi_encodings<4, 32>();
+  check_kivi_encodings<2, 64>();
+  check_kivi_encodings<4, 128>();
 }

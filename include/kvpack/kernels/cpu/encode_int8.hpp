@@ -12,7 +12,8 @@
 /// the same order: |x| maximum (NaN ignored, as std::max ignores it), d = amax / 127, 1/d (0 when
 /// d is 0), x·(1/d), then ggml::round_to_int8_code (clamp to ±127, truncate, add or subtract one
 /// on a fraction of at least one half, NaN to 0). Scales are narrowed with half.hpp's conversion,
-/// once per scale. Without AVX-512 the kernel calls the scalar encoder.
+/// once per scale. Without AVX-512 the kernel declines the page (EncodeRowsArgs::declined) and
+/// the caller runs the scalar encoder.
 
 #include <cstddef>
 #include <cstdint>
@@ -119,10 +120,10 @@ KVPACK_ALWAYS_INLINE void scale_row(const EncodeRowsArgs& args, index_t t, const
 template <class A, class Codec>
   requires quant::tile::is_int8_pair_codec_v<Codec>
 void encode_int8_plane(A, std::type_identity<Codec>, const EncodeRowsArgs& args) noexcept {
-  const index_t page = args.page_size, dim = args.head_dim;
 #if XSIMD_WITH_AVX512BW
   if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) {
     using namespace int8_encode;
+    const index_t page = args.page_size, dim = args.head_dim;
     const index_t group = scale_group<Codec>(dim);
     const auto row_of = [&](index_t t) { return args.rows + static_cast<std::ptrdiff_t>(t) * args.row_stride; };
     // Q8_0 limits head_dim to 2048, so 64 blocks; Int8 has one scale per token.
@@ -174,7 +175,7 @@ void encode_int8_plane(A, std::type_identity<Codec>, const EncodeRowsArgs& args)
     return;
   }
 #endif
-  Codec{}.encode({page, dim}, args.rows, args.row_stride, {}, args.plane);
+  *args.declined = true;
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

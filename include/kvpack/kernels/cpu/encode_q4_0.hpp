@@ -13,7 +13,8 @@
 /// d = max / -8, 1/d (0 when d is 0), then trunc(x·(1/d) + 8.5) clamped to [0, 15], NaN to 8.
 /// The product and the sum are `vmulps`/`vaddps` with explicit rounding, which the compiler may
 /// not fuse into one FMA (that would round once instead of twice and move codes at the
-/// boundaries). Without AVX-512 the kernel calls the scalar encoder.
+/// boundaries). Without AVX-512 the kernel declines the page (EncodeRowsArgs::declined)
+/// and the caller runs the scalar encoder.
 
 #include <bit>
 #include <cstddef>
@@ -66,10 +67,10 @@ KVPACK_ALWAYS_INLINE __m128i quantize_block(const float* x, std::byte* scale) no
 /// One quant::Q4_0 plane from fp32 rows: the bytes Q4_0Codec::encode writes.
 template <class A, Plane kPlane>
 void encode_q4_0_plane(A, std::type_identity<quant::Q4_0Codec<kPlane>>, const EncodeRowsArgs& args) noexcept {
-  using Codec = quant::Q4_0Codec<kPlane>;
-  const quant::PageGeometry g{args.page_size, args.head_dim};
 #if XSIMD_WITH_AVX512BW
   if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) {
+    using Codec = quant::Q4_0Codec<kPlane>;
+    const quant::PageGeometry g{args.page_size, args.head_dim};
     const index_t blocks = g.head_dim / quant::ggml::kBlockSize;
     for (index_t t = 0; t < g.page_size; t += 4) {  // page_size % 4 == 0
       for (index_t b = 0; b < blocks; ++b) {
@@ -106,7 +107,7 @@ void encode_q4_0_plane(A, std::type_identity<quant::Q4_0Codec<kPlane>>, const En
     return;
   }
 #endif
-  Codec{}.encode(g, args.rows, args.row_stride, {}, args.plane);
+  *args.declined = true;
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

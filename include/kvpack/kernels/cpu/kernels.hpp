@@ -97,4 +97,12 @@ struct EncodeQ4_0Plane {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
+/// One plane of a quant::KIVI page encoded from fp32 rows: the codec's own bytes.
+template <class Codec>
+struct EncodeKiviPlane {
+  using args_type = EncodeRowsArgs;
+  template <class Arch>
+  void operator()(Arch arch, const args_type& args) const noexcept;
+};
+
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -5,6 +5,7 @@
 #include "kvpack/kernels/cpu/channel_major.hpp"
 #include "kvpack/kernels/cpu/convert.hpp"
 #include "kvpack/kernels/cpu/encode_int8.hpp"
+#include "kvpack/kernels/cpu/encode_kivi.hpp"
 #include "kvpack/kernels/cpu/encode_q4_0.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
@@ -80,6 +81,12 @@ template <class Codec>
 template <class Arch>
 void EncodeQ4_0Plane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
   encode_q4_0_plane(arch, std::type_identity<Codec>{}, args);
+}
+
+template <class Codec>
+template <class Arch>
+void EncodeKiviPlane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
+  encode_kivi_plane(arch, std::type_identity<Codec>{}, args);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

@@ -96,6 +96,16 @@ using EncodeQ8_0Keys = EncodeInt8Plane<quant::Q8_0Codec<Plane::kKey>>;
 using EncodeQ8_0Values = EncodeInt8Plane<quant::Q8_0Codec<Plane::kValue>>;
 using EncodeQ4_0Keys = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kKey>>;
 using EncodeQ4_0Values = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kValue>>;
+using EncodeKivi2Keys = EncodeKiviPlane<quant::KiviKeyCodec<2, 32>>;
+using EncodeKivi4Keys = EncodeKiviPlane<quant::KiviKeyCodec<4, 32>>;
+using EncodeKivi2G64Keys = EncodeKiviPlane<quant::KiviKeyCodec<2, 64>>;
+using EncodeKivi4G128Keys = EncodeKiviPlane<quant::KiviKeyCodec<4, 128>>;
+using EncodeKivi2TokenKeys = EncodeKiviPlane<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
+using EncodeKivi4TokenKeys = EncodeKiviPlane<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
+using EncodeKivi2Values = EncodeKiviPlane<quant::KiviValueCodec<2, 32>>;
+using EncodeKivi4Values = EncodeKiviPlane<quant::KiviValueCodec<4, 32>>;
+using EncodeKivi2G64Values = EncodeKiviPlane<quant::KiviValueCodec<2, 64>>;
+using EncodeKivi4G128Values = EncodeKiviPlane<quant::KiviValueCodec<4, 128>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -124,7 +134,10 @@ using EncodeQ4_0Values = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kValue>>;
   X(precompiled::EncodeF32Values) X(precompiled::EncodeF16Keys) X(precompiled::EncodeF16Values)           \
   X(precompiled::EncodeBF16Keys) X(precompiled::EncodeBF16Values) X(precompiled::EncodeInt8Keys)          \
   X(precompiled::EncodeInt8Values) X(precompiled::EncodeQ8_0Keys) X(precompiled::EncodeQ8_0Values)         \
-  X(precompiled::EncodeQ4_0Keys) X(precompiled::EncodeQ4_0Values)
+  X(precompiled::EncodeQ4_0Keys) X(precompiled::EncodeQ4_0Values) X(precompiled::EncodeKivi2Keys)            \
+  X(precompiled::EncodeKivi4Keys) X(precompiled::EncodeKivi2G64Keys) X(precompiled::EncodeKivi4G128Keys)      \
+  X(precompiled::EncodeKivi2TokenKeys) X(precompiled::EncodeKivi4TokenKeys) X(precompiled::EncodeKivi2Values) \
+  X(precompiled::EncodeKivi4Values) X(precompiled::EncodeKivi2G64Values) X(precompiled::EncodeKivi4G128Values)
 
 namespace kvpack::inline v0::kernels::cpu {
 
