@@ -32,7 +32,6 @@
 #include "kvpack/paging/page_pool.hpp"
 #include "kvpack/paging/prefix_index.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
-#include "kvpack/quant/tile_layout.hpp"
 #include "kvpack/select/dense.hpp"
 #include "kvpack/select/quest.hpp"
 #include "kvpack/select/select_concepts.hpp"
@@ -1456,15 +1455,9 @@ class KVCache {
       // Float, Int8, Q8_0, Q4_0 and KIVI pages go through SIMD write kernels (the codecs' own
       // bytes); a page a kernel declines, and every other codec's, through the codec's encode.
       bool declined = false;
-      const kernels::EncodeRowsArgs args{rows, row_stride, geometry.page_size, geometry.head_dim, plane, &declined};
-      if constexpr (quant::is_float_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeFloatPlane<Codec>>()(args);
-      } else if constexpr (quant::tile::is_int8_pair_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeInt8Plane<Codec>>()(args);
-      } else if constexpr (quant::tile::is_q4_0_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeQ4_0Plane<Codec>>()(args);
-      } else if constexpr (quant::is_kivi_codec_v<Codec>) {
-        dispatch::cpu_kernel<kernels::cpu::EncodeKiviPlane<Codec>>()(args);
+      if constexpr (kernels::cpu::has_plane_encoder_v<Codec>) {
+        dispatch::cpu_kernel<kernels::cpu::EncodePlane<Codec>>()(
+            {rows, row_stride, geometry.page_size, geometry.head_dim, plane, &declined});
       } else {
         declined = true;
       }

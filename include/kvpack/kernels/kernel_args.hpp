@@ -114,8 +114,8 @@ struct WidenArgs {
   std::size_t count = 0;
 };
 
-/// Arguments of the page encoders (EncodeFloatPlane, EncodeInt8Plane, ...): page_size rows of
-/// head_dim floats, row t at rows + t·row_stride, encoded into one plane.
+/// Arguments of EncodePlane: page_size rows of head_dim floats, row t at rows + t·row_stride,
+/// encoded into one plane.
 struct EncodeRowsArgs {
   const float* rows = nullptr;
   std::ptrdiff_t row_stride = 0;

@@ -83,12 +83,6 @@ struct FloatCodec {
   friend constexpr bool operator==(const FloatCodec&, const FloatCodec&) noexcept { return true; }
 };
 
-/// Whether Codec is one of FloatCodec's planes (the cache encodes those with a SIMD kernel).
-template <class Codec>
-inline constexpr bool is_float_codec_v = false;
-template <class T, Plane kPlane>
-inline constexpr bool is_float_codec_v<FloatCodec<T, kPlane>> = true;
-
 /// Keys and values stored uncompressed as T (float, half or bfloat16).
 template <class T>
 struct Float {

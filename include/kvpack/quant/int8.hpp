@@ -84,9 +84,6 @@ struct Int8Codec {
   friend constexpr bool operator==(const Int8Codec&, const Int8Codec&) noexcept { return true; }
 };
 
-template <Plane kPlane>
-inline constexpr bool tile::is_int8_pair_codec_v<Int8Codec<kPlane>> = true;
-
 /// Per-token symmetric int8 keys and values.
 struct Int8 {
   using key_codec = Int8Codec<Plane::kKey>;

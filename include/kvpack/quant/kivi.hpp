@@ -234,14 +234,6 @@ struct KiviTokenCodec : KiviTraits<Bits, Group> {
 template <int Bits, int Group>
 using KiviValueCodec = KiviTokenCodec<Bits, Group, Plane::kValue>;
 
-/// Whether Codec is one of KIVI's planes (the cache encodes those with a SIMD kernel).
-template <class Codec>
-inline constexpr bool is_kivi_codec_v = false;
-template <int Bits, int Group>
-inline constexpr bool is_kivi_codec_v<KiviKeyCodec<Bits, Group>> = true;
-template <int Bits, int Group, Plane kPlane>
-inline constexpr bool is_kivi_codec_v<KiviTokenCodec<Bits, Group, kPlane>> = true;
-
 /// KIVI: 2- or 4-bit keys per channel and values per token, fp16 scale and minimum per group.
 template <int Bits, int Group = 32>
 struct KIVI {

@@ -109,9 +109,6 @@ struct Q4_0Codec {
 
 };
 
-template <Plane kPlane>
-inline constexpr bool tile::is_q4_0_codec_v<Q4_0Codec<kPlane>> = true;
-
 /// llama.cpp-compatible q4_0 keys and values.
 struct Q4_0 {
   using key_codec = Q4_0Codec<Plane::kKey>;

@@ -105,9 +105,6 @@ struct Q8_0Codec {
 
 };
 
-template <Plane kPlane>
-inline constexpr bool tile::is_int8_pair_codec_v<Q8_0Codec<kPlane>> = true;
-
 /// llama.cpp-compatible q8_0 keys and values.
 struct Q8_0 {
   using key_codec = Q8_0Codec<Plane::kKey>;

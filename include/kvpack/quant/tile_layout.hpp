@@ -42,16 +42,6 @@ namespace kvpack::inline v0::quant::tile {
   return (static_cast<std::size_t>(t / 2) * g.head_dim + c) * 2 + t % 2;
 }
 
-/// Whether Codec stores one int8 code per element in the pair tiles above with fp16 per-token
-/// scales (Int8, Q8_0: the cache encodes those with a SIMD kernel).
-template <class Codec>
-inline constexpr bool is_int8_pair_codec_v = false;
-
-/// Whether Codec is one of Q4_0Codec's planes, which use the nibble tiles below (the cache
-/// encodes those with a SIMD kernel).
-template <class Codec>
-inline constexpr bool is_q4_0_codec_v = false;
-
 /// A 4-bit code's byte offset and nibble (0 = low, 1 = high).
 struct NibbleAddress {
   std::size_t byte;

@@ -69,11 +69,14 @@ std::vector<float> adversarial_rows(index_t page_size, std::ptrdiff_t row_stride
   return rows;
 }
 
+/// The kernel's plane must be the codec's scalar `encode`, byte for byte, on every ISA that does
+/// not decline the page. AVX-512 must encode it unless `may_decline` (KIVI's pages with NaN);
+/// a declining kernel must not write.
 template <class Codec>
-void check_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride) {
-  using Kernel = kernels::cpu::EncodeFloatPlane<Codec>;
+void check_plane_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, const std::vector<float>& rows,
+                          bool may_decline = false) {
+  using Kernel = kernels::cpu::EncodePlane<Codec>;
   const Codec codec{};
-  const std::vector<float> rows = adversarial_rows(g.page_size, row_stride, 1000 + g.head_dim);
   const std::size_t bytes = codec.plane_bytes(g);
   std::vector<std::byte> expected(bytes);
   codec.encode(g, rows.data(), row_stride, {}, expected.data());
@@ -81,106 +84,6 @@ void check_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride) {
   dispatch::for_each_runnable_isa<Kernel>([&](std::string_view isa, dispatch::CpuFunction<Kernel> encode) {
     ++isas;
     std::vector<std::byte> got(bytes + 64, std::byte{0xAB});  // garbage, and a guard after the plane
-    encode({rows.data(), row_stride, g.page_size, g.head_dim, got.data()});
-    std::size_t wrong = 0, guard = 0;
-    for (std::size_t i = 0; i < bytes; ++i) wrong += got[i] != expected[i];
-    for (std::size_t i = bytes; i < got.size(); ++i) guard += got[i] != std::byte{0xAB};
-    INFO(isa << " " << Codec::kName << (Codec::kPlane == Plane::kKey ? " keys" : " values") << " page_size "
-             << g.page_size << " head_dim " << g.head_dim << " row_stride " << row_stride << ": " << wrong << " of "
-             << bytes << " bytes differ");
-    CHECK(wrong == 0);
-    CHECK(guard == 0);
-  });
-  CHECK(isas >= 1);
-}
-
-template <class T>
-void check_encodings() {
-  for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 12},
-                                      quant::PageGeometry{7, 20}, quant::PageGeometry{64, 8}}) {
-    for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 3 + 5}) {
-      check_encoding<quant::FloatCodec<T, Plane::kKey>>(g, stride);
-      check_encoding<quant::FloatCodec<T, Plane::kValue>>(g, stride);
-    }
-  }
-}
-
-/// Rows for the 8-bit integer encoders, one data family per token: Gaussian with an outlier
-/// channel (and NaN in some); exact ties of the rounding (d = 2^s, so x·(1/d) = k + 1/2 exactly); the floats
-/// either side of those ties; zeros next to scales so small that 1/d overflows to infinity; and
-/// random 32-bit patterns (NaN, Inf, huge and subnormal values).
-std::vector<float> int8_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> gaussian;
-  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
-  for (index_t t = 0; t < page_size; ++t) {
-    float* row = rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride;
-    const float power = std::ldexp(1.0f, t % 7 - 3);
-    for (index_t c = 0; c < head_dim; ++c) {
-      const float tie = (static_cast<float>(rng() % 254) - 127.0f + 0.5f) * power;  // |tie| ≤ 126.5·2^s
-      const float peak = (c % 2 ? 127.0f : -127.0f) * power;                        // d = 2^s per 32 channels
-      switch (t % 5) {
-        case 0:  // NaN at the end of a scale group in every other such row: a maximum must skip it
-          row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f);
-          if (t % 10 == 5 && (c % 32 == 31 || c == head_dim - 1)) row[c] = std::nanf("");
-          break;
-        case 1: row[c] = c % 32 == 5 ? peak : tie; break;
-        case 2: row[c] = c % 32 == 5 ? peak : std::nextafter(tie, rng() % 2 ? 0.0f : 1000.0f); break;
-        case 3: row[c] = c < 32 ? 0.0f : (c % 3 == 0 ? 1e-38f : -0.0f); break;
-        default: row[c] = std::bit_cast<float>(static_cast<std::uint32_t>(rng())); break;
-      }
-    }
-  }
-  return rows;
-}
-
-/// Rows for the q4_0 encoder, one data family per token: Gaussian with an outlier channel (NaN in
-/// some); values on the code boundaries x = (n - 8.5)·d for an inexact 1/d, and the floats either
-/// side; the largest magnitude twice with both signs, so the first one must set the sign of d;
-/// zeros and -0 next to scales whose inverse overflows; random 32-bit patterns.
-std::vector<float> q4_0_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> gaussian;
-  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
-  for (index_t t = 0; t < page_size; ++t) {
-    float* row = rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride;
-    const float peak = static_cast<float>(1 + rng() % 997) / 7.0f;  // d = peak / -8, 1/d inexact
-    const float d = peak / -8.0f;
-    for (index_t c = 0; c < head_dim; ++c) {
-      const float boundary = (static_cast<float>(1 + rng() % 15) - 8.5f) * d;
-      switch (t % 5) {
-        case 0:
-          row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f);
-          if (t % 10 == 5 && c % 32 == 31) row[c] = std::nanf("");
-          break;
-        case 1: {
-          const float toward = rng() % 3 == 0 ? 0.0f : rng() % 2 ? 1e3f : -1e3f;
-          row[c] = c % 32 == 7 ? peak : std::nextafter(boundary, toward);
-          break;
-        }
-        case 2: row[c] = c % 32 == 9 ? -peak : c % 32 == 20 ? peak : boundary; break;
-        case 3: row[c] = c < 32 ? (c % 2 ? -0.0f : 0.0f) : (c % 3 == 0 ? 1e-38f : -0.0f); break;
-        default: row[c] = std::bit_cast<float>(static_cast<std::uint32_t>(rng())); break;
-      }
-    }
-  }
-  return rows;
-}
-
-/// The kernel's plane must be the codec's scalar `encode`, byte for byte, on every ISA that does
-/// not decline the page. AVX-512 must encode it unless `may_decline` (KIVI's pages with NaN);
-/// a declining kernel must not write.
-template <class Kernel, class Codec>
-void check_quantized_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, const std::vector<float>& rows,
-                              bool may_decline = false) {
-  const Codec codec{};
-  const std::size_t bytes = codec.plane_bytes(g);
-  std::vector<std::byte> expected(bytes);
-  codec.encode(g, rows.data(), row_stride, {}, expected.data());
-  int isas = 0;
-  dispatch::for_each_runnable_isa<Kernel>([&](std::string_view isa, dispatch::CpuFunction<Kernel> encode) {
-    ++isas;
-    std::vector<std::byte> got(bytes + 64, std::byte{0xAB});
     bool declined = false;
     encode({rows.data(), row_stride, g.page_size, g.head_dim, got.data(), &declined});
     INFO(isa << " " << Codec::kName << (declined ? " declined" : " encoded") << " the page");
@@ -201,14 +104,88 @@ void check_quantized_encoding(quant::PageGeometry g, std::ptrdiff_t row_stride, 
   CHECK(isas >= 1);
 }
 
+template <class T>
+void check_encodings() {
+  for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 12},
+                                      quant::PageGeometry{7, 20}, quant::PageGeometry{64, 8}}) {
+    for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 3 + 5}) {
+      const std::vector<float> rows = adversarial_rows(g.page_size, stride, 1000 + g.head_dim);
+      check_plane_encoding<quant::FloatCodec<T, Plane::kKey>>(g, stride, rows);
+      check_plane_encoding<quant::FloatCodec<T, Plane::kValue>>(g, stride, rows);
+    }
+  }
+}
+
+/// page_size rows `row_stride` floats apart (NaN past head_dim), row t filled by fill(t, row, rng).
+template <class Fill>
+std::vector<float> rows_of_families(index_t page_size, std::ptrdiff_t row_stride, std::uint32_t seed, Fill fill) {
+  std::mt19937 rng(seed);
+  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
+  for (index_t t = 0; t < page_size; ++t) fill(t, rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride, rng);
+  return rows;
+}
+
+/// Rows for the 8-bit integer encoders, one data family per token: Gaussian with an outlier
+/// channel (and NaN in some); exact ties of the rounding (d = 2^s, so x·(1/d) = k + 1/2
+/// exactly); the floats either side of those ties; zeros next to scales so small that 1/d
+/// overflows to infinity; and random 32-bit patterns (NaN, Inf, huge and subnormal values).
+std::vector<float> int8_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, std::uint32_t seed) {
+  return rows_of_families(page_size, row_stride, seed, [&](index_t t, float* row, std::mt19937& rng) {
+    std::normal_distribution<float> gaussian;
+    const float power = std::ldexp(1.0f, t % 7 - 3);
+    for (index_t c = 0; c < head_dim; ++c) {
+      const float tie = (static_cast<float>(rng() % 254) - 127.0f + 0.5f) * power;  // |tie| ≤ 126.5·2^s
+      const float peak = (c % 2 ? 127.0f : -127.0f) * power;                        // d = 2^s per 32 channels
+      switch (t % 5) {
+        case 0:  // NaN at the end of a scale group in every other such row: a maximum must skip it
+          row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f);
+          if (t % 10 == 5 && (c % 32 == 31 || c == head_dim - 1)) row[c] = std::nanf("");
+          break;
+        case 1: row[c] = c % 32 == 5 ? peak : tie; break;
+        case 2: row[c] = c % 32 == 5 ? peak : std::nextafter(tie, rng() % 2 ? 0.0f : 1000.0f); break;
+        case 3: row[c] = c < 32 ? 0.0f : (c % 3 == 0 ? 1e-38f : -0.0f); break;
+        default: row[c] = std::bit_cast<float>(static_cast<std::uint32_t>(rng())); break;
+      }
+    }
+  });
+}
+
+/// Rows for the q4_0 encoder, one data family per token: Gaussian with an outlier channel (NaN in
+/// some); values on the code boundaries x = (n - 8.5)·d for an inexact 1/d, and the floats either
+/// side; the largest magnitude twice with both signs, so the first one must set the sign of d;
+/// zeros and -0 next to scales whose inverse overflows; random 32-bit patterns.
+std::vector<float> q4_0_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, std::uint32_t seed) {
+  return rows_of_families(page_size, row_stride, seed, [&](index_t t, float* row, std::mt19937& rng) {
+    std::normal_distribution<float> gaussian;
+    const float peak = static_cast<float>(1 + rng() % 997) / 7.0f;  // d = peak / -8, 1/d inexact
+    const float d = peak / -8.0f;
+    for (index_t c = 0; c < head_dim; ++c) {
+      const float boundary = (static_cast<float>(1 + rng() % 15) - 8.5f) * d;
+      switch (t % 5) {
+        case 0:
+          row[c] = gaussian(rng) * (c == 3 ? 40.0f : 1.0f);
+          if (t % 10 == 5 && c % 32 == 31) row[c] = std::nanf("");
+          break;
+        case 1: {
+          const float toward = rng() % 3 == 0 ? 0.0f : rng() % 2 ? 1e3f : -1e3f;
+          row[c] = c % 32 == 7 ? peak : std::nextafter(boundary, toward);
+          break;
+        }
+        case 2: row[c] = c % 32 == 9 ? -peak : c % 32 == 20 ? peak : boundary; break;
+        case 3: row[c] = c < 32 ? (c % 2 ? -0.0f : 0.0f) : (c % 3 == 0 ? 1e-38f : -0.0f); break;
+        default: row[c] = std::bit_cast<float>(static_cast<std::uint32_t>(rng())); break;
+      }
+    }
+  });
+}
+
 template <template <Plane> class Codec>
 void check_int8_encodings(std::initializer_list<quant::PageGeometry> geometries) {
   for (const quant::PageGeometry g : geometries) {
     for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 2 + 3}) {
       const std::vector<float> rows = int8_rows(g.page_size, g.head_dim, stride, 2000 + g.head_dim);
-      check_quantized_encoding<kernels::cpu::EncodeInt8Plane<Codec<Plane::kKey>>, Codec<Plane::kKey>>(g, stride, rows);
-      check_quantized_encoding<kernels::cpu::EncodeInt8Plane<Codec<Plane::kValue>>, Codec<Plane::kValue>>(g, stride,
-                                                                                                         rows);
+      check_plane_encoding<Codec<Plane::kKey>>(g, stride, rows);
+      check_plane_encoding<Codec<Plane::kValue>>(g, stride, rows);
     }
   }
 }
@@ -220,12 +197,9 @@ void check_int8_encodings(std::initializer_list<quant::PageGeometry> geometries)
 /// gives every token that family, so key groups (along tokens) see ties and signed zeros too.
 std::vector<float> kivi_rows(index_t page_size, index_t head_dim, std::ptrdiff_t row_stride, int bits, bool with_nan,
                              int only_family, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> gaussian;
   const float top = static_cast<float>((1 << bits) - 1);
-  std::vector<float> rows(static_cast<std::size_t>(page_size) * row_stride, std::nanf(""));
-  for (index_t t = 0; t < page_size; ++t) {
-    float* row = rows.data() + static_cast<std::ptrdiff_t>(t) * row_stride;
+  return rows_of_families(page_size, row_stride, seed, [&](index_t t, float* row, std::mt19937& rng) {
+    std::normal_distribution<float> gaussian;
     for (index_t c = 0; c < head_dim; ++c) {
       const float tie = static_cast<float>(rng() % (1 << bits)) + (rng() % 2 ? 0.5f : 0.0f);
       switch (only_family >= 0 ? only_family : t % 7) {
@@ -238,8 +212,7 @@ std::vector<float> kivi_rows(index_t page_size, index_t head_dim, std::ptrdiff_t
         default: row[c] = with_nan && c % 6 == 5 ? std::nanf("") : static_cast<float>(c % 7); break;
       }
     }
-  }
-  return rows;
+  });
 }
 
 template <int Bits, int Group>
@@ -255,10 +228,10 @@ void check_kivi_encodings() {
         for (const int family : {-1, 1, 2, 3, 6}) {
           const std::vector<float> rows =
               kivi_rows(g.page_size, g.head_dim, stride, Bits, with_nan, family, 4000 + g.head_dim);
-          check_quantized_encoding<kernels::cpu::EncodeKiviPlane<Keys>, Keys>(g, stride, rows, with_nan);
+          check_plane_encoding<Keys>(g, stride, rows, with_nan);
           if (g.head_dim % Group != 0) continue;
-          check_quantized_encoding<kernels::cpu::EncodeKiviPlane<Values>, Values>(g, stride, rows, with_nan);
-          check_quantized_encoding<kernels::cpu::EncodeKiviPlane<TokenKeys>, TokenKeys>(g, stride, rows, with_nan);
+          check_plane_encoding<Values>(g, stride, rows, with_nan);
+          check_plane_encoding<TokenKeys>(g, stride, rows, with_nan);
         }
       }
     }
@@ -294,8 +267,8 @@ TEST_CASE("every ISA encodes Q4_0 pages with exactly the codec's scalar bytes", 
                                       quant::PageGeometry{32, 128}, quant::PageGeometry{12, 2048}}) {
     for (const std::ptrdiff_t stride : {std::ptrdiff_t{g.head_dim}, std::ptrdiff_t{g.head_dim} * 2 + 3}) {
       const std::vector<float> rows = q4_0_rows(g.page_size, g.head_dim, stride, 3000 + g.head_dim);
-      check_quantized_encoding<kernels::cpu::EncodeQ4_0Plane<Keys>, Keys>(g, stride, rows);
-      check_quantized_encoding<kernels::cpu::EncodeQ4_0Plane<Values>, Values>(g, stride, rows);
+      check_plane_encoding<Keys>(g, stride, rows);
+      check_plane_encoding<Values>(g, stride, rows);
     }
   }
 }

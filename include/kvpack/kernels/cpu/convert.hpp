@@ -99,7 +99,7 @@ void widen_to_float(A, const WidenArgs<T>& args) noexcept {
 /// vector of channels at a time and the elements go down their columns (the page's 8 KB of
 /// fp16 columns stay in L1 while a page is written).
 template <class A, class T, Plane kPlane>
-void encode_float_plane(A, std::type_identity<quant::FloatCodec<T, kPlane>>, const EncodeRowsArgs& args) noexcept {
+void encode_plane(A, std::type_identity<quant::FloatCodec<T, kPlane>>, const EncodeRowsArgs& args) noexcept {
   constexpr index_t kW = static_cast<index_t>(simd::f32<A>::size);
   T* out = reinterpret_cast<T*>(args.plane);
   const index_t page = args.page_size, dim = args.head_dim;

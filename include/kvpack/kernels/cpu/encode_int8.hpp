@@ -118,8 +118,7 @@ KVPACK_ALWAYS_INLINE void scale_row(const EncodeRowsArgs& args, index_t t, const
 
 /// One quant::Int8 or quant::Q8_0 plane from fp32 rows: the bytes the codec's `encode` writes.
 template <class A, class Codec>
-  requires quant::tile::is_int8_pair_codec_v<Codec>
-void encode_int8_plane(A, std::type_identity<Codec>, const EncodeRowsArgs& args) noexcept {
+void encode_int8_tiles(const EncodeRowsArgs& args) noexcept {
 #if XSIMD_WITH_AVX512BW
   if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) {
     using namespace int8_encode;
@@ -176,6 +175,16 @@ void encode_int8_plane(A, std::type_identity<Codec>, const EncodeRowsArgs& args)
   }
 #endif
   *args.declined = true;
+}
+
+template <class A, Plane kPlane>
+void encode_plane(A, std::type_identity<quant::Int8Codec<kPlane>>, const EncodeRowsArgs& args) noexcept {
+  encode_int8_tiles<A, quant::Int8Codec<kPlane>>(args);
+}
+
+template <class A, Plane kPlane>
+void encode_plane(A, std::type_identity<quant::Q8_0Codec<kPlane>>, const EncodeRowsArgs& args) noexcept {
+  encode_int8_tiles<A, quant::Q8_0Codec<kPlane>>(args);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu

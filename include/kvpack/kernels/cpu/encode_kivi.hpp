@@ -175,20 +175,24 @@ void encode_tokens(const EncodeRowsArgs& args) noexcept {
 
 }  // namespace kivi_encode
 
-/// One KIVI plane from fp32 rows: the bytes the codec's `encode` writes.
-template <class A, class Codec>
-  requires quant::is_kivi_codec_v<Codec>
-void encode_kivi_plane(A, std::type_identity<Codec>, const EncodeRowsArgs& args) noexcept {
+/// One KIVI key plane (per channel) from fp32 rows: the bytes the codec's `encode` writes.
+template <class A, int Bits, int Group>
+void encode_plane(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const EncodeRowsArgs& args) noexcept {
 #if XSIMD_WITH_AVX512BW
   if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) {
-    if (!kivi_encode::has_nan<A>(args)) {
-      if constexpr (std::is_same_v<Codec, quant::KiviKeyCodec<Codec::kBits, Codec::kGroup>>) {
-        kivi_encode::encode_keys<A, Codec::kBits, Codec::kGroup>(args);
-      } else {
-        kivi_encode::encode_tokens<A, Codec::kBits, Codec::kGroup, Codec::kPlane>(args);
-      }
-      return;
-    }
+    if (!kivi_encode::has_nan<A>(args)) return kivi_encode::encode_keys<A, Bits, Group>(args);
+  }
+#endif
+  *args.declined = true;
+}
+
+/// One per-token KIVI plane (values, or the ablation's keys): the bytes the codec's `encode` writes.
+template <class A, int Bits, int Group, Plane kPlane>
+void encode_plane(A, std::type_identity<quant::KiviTokenCodec<Bits, Group, kPlane>>,
+                  const EncodeRowsArgs& args) noexcept {
+#if XSIMD_WITH_AVX512BW
+  if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) {
+    if (!kivi_encode::has_nan<A>(args)) return kivi_encode::encode_tokens<A, Bits, Group, kPlane>(args);
   }
 #endif
   *args.declined = true;

@@ -66,7 +66,7 @@ KVPACK_ALWAYS_INLINE __m128i quantize_block(const float* x, std::byte* scale) no
 
 /// One quant::Q4_0 plane from fp32 rows: the bytes Q4_0Codec::encode writes.
 template <class A, Plane kPlane>
-void encode_q4_0_plane(A, std::type_identity<quant::Q4_0Codec<kPlane>>, const EncodeRowsArgs& args) noexcept {
+void encode_plane(A, std::type_identity<quant::Q4_0Codec<kPlane>>, const EncodeRowsArgs& args) noexcept {
 #if XSIMD_WITH_AVX512BW
   if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) {
     using Codec = quant::Q4_0Codec<kPlane>;

@@ -73,33 +73,11 @@ struct WidenToFloat {
   void operator()(Arch arch, const args_type& args) const noexcept;
 };
 
-/// One plane of a quant::Float<T> page encoded from fp32 rows: FloatCodec::encode's bytes.
+/// One page plane encoded from fp32 rows, byte for byte the codec's own `encode`: the write
+/// path's kernels for quant::Float, Int8, Q8_0, Q4_0 and KIVI planes (has_plane_encoder_v). One
+/// may decline a page (EncodeRowsArgs::declined), which the caller then encodes itself.
 template <class Codec>
-struct EncodeFloatPlane {
-  using args_type = EncodeRowsArgs;
-  template <class Arch>
-  void operator()(Arch arch, const args_type& args) const noexcept;
-};
-
-/// One plane of a quant::Int8 or quant::Q8_0 page encoded from fp32 rows: the codec's own bytes.
-template <class Codec>
-struct EncodeInt8Plane {
-  using args_type = EncodeRowsArgs;
-  template <class Arch>
-  void operator()(Arch arch, const args_type& args) const noexcept;
-};
-
-/// One plane of a quant::Q4_0 page encoded from fp32 rows: the codec's own bytes.
-template <class Codec>
-struct EncodeQ4_0Plane {
-  using args_type = EncodeRowsArgs;
-  template <class Arch>
-  void operator()(Arch arch, const args_type& args) const noexcept;
-};
-
-/// One plane of a quant::KIVI page encoded from fp32 rows: the codec's own bytes.
-template <class Codec>
-struct EncodeKiviPlane {
+struct EncodePlane {
   using args_type = EncodeRowsArgs;
   template <class Arch>
   void operator()(Arch arch, const args_type& args) const noexcept;

@@ -9,6 +9,7 @@
 #include "kvpack/kernels/cpu/encode_q4_0.hpp"
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer.hpp"
+#include "kvpack/kernels/cpu/isa.hpp"
 #include "kvpack/kernels/cpu/kivi.hpp"
 #include "kvpack/kernels/cpu/kvquant.hpp"
 #include "kvpack/kernels/cpu/q4_0.hpp"
@@ -67,26 +68,14 @@ void WidenToFloat<T>::operator()(Arch arch, const args_type& args) const noexcep
 
 template <class Codec>
 template <class Arch>
-void EncodeFloatPlane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
-  encode_float_plane(arch, std::type_identity<Codec>{}, args);
+void EncodePlane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
+  encode_plane(arch, std::type_identity<Codec>{}, args);
 }
 
+/// Whether EncodePlane<Codec> has a kernel: an encode_plane overload for Codec.
 template <class Codec>
-template <class Arch>
-void EncodeInt8Plane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
-  encode_int8_plane(arch, std::type_identity<Codec>{}, args);
-}
-
-template <class Codec>
-template <class Arch>
-void EncodeQ4_0Plane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
-  encode_q4_0_plane(arch, std::type_identity<Codec>{}, args);
-}
-
-template <class Codec>
-template <class Arch>
-void EncodeKiviPlane<Codec>::operator()(Arch arch, const args_type& args) const noexcept {
-  encode_kivi_plane(arch, std::type_identity<Codec>{}, args);
-}
+inline constexpr bool has_plane_encoder_v = requires(const EncodeRowsArgs& args) {
+  encode_plane(default_arch{}, std::type_identity<Codec>{}, args);
+};
 
 }  // namespace kvpack::inline v0::kernels::cpu

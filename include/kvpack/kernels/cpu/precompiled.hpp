@@ -81,31 +81,31 @@ using DecodeLatentE4M3 = DecodeChannelMajor<quant::FP8Codec<quant::E4M3FN, Plane
 using DecodeLatentQ8_0 = DecodeChannelMajor<quant::Q8_0Codec<Plane::kValue>>;
 using DecodeLatentQ4_0 = DecodeChannelMajor<quant::Q4_0Codec<Plane::kValue>>;
 
-// The cache's write path: inputs widened to fp32, Float pages encoded.
+// The cache's write path: inputs widened to fp32, pages encoded.
 using WidenF16 = WidenToFloat<half>;
 using WidenBF16 = WidenToFloat<bfloat16>;
-using EncodeF32Keys = EncodeFloatPlane<quant::FloatCodec<float, Plane::kKey>>;
-using EncodeF32Values = EncodeFloatPlane<quant::FloatCodec<float, Plane::kValue>>;
-using EncodeF16Keys = EncodeFloatPlane<quant::FloatCodec<half, Plane::kKey>>;
-using EncodeF16Values = EncodeFloatPlane<quant::FloatCodec<half, Plane::kValue>>;
-using EncodeBF16Keys = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kKey>>;
-using EncodeBF16Values = EncodeFloatPlane<quant::FloatCodec<bfloat16, Plane::kValue>>;
-using EncodeInt8Keys = EncodeInt8Plane<quant::Int8Codec<Plane::kKey>>;
-using EncodeInt8Values = EncodeInt8Plane<quant::Int8Codec<Plane::kValue>>;
-using EncodeQ8_0Keys = EncodeInt8Plane<quant::Q8_0Codec<Plane::kKey>>;
-using EncodeQ8_0Values = EncodeInt8Plane<quant::Q8_0Codec<Plane::kValue>>;
-using EncodeQ4_0Keys = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kKey>>;
-using EncodeQ4_0Values = EncodeQ4_0Plane<quant::Q4_0Codec<Plane::kValue>>;
-using EncodeKivi2Keys = EncodeKiviPlane<quant::KiviKeyCodec<2, 32>>;
-using EncodeKivi4Keys = EncodeKiviPlane<quant::KiviKeyCodec<4, 32>>;
-using EncodeKivi2G64Keys = EncodeKiviPlane<quant::KiviKeyCodec<2, 64>>;
-using EncodeKivi4G128Keys = EncodeKiviPlane<quant::KiviKeyCodec<4, 128>>;
-using EncodeKivi2TokenKeys = EncodeKiviPlane<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
-using EncodeKivi4TokenKeys = EncodeKiviPlane<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
-using EncodeKivi2Values = EncodeKiviPlane<quant::KiviValueCodec<2, 32>>;
-using EncodeKivi4Values = EncodeKiviPlane<quant::KiviValueCodec<4, 32>>;
-using EncodeKivi2G64Values = EncodeKiviPlane<quant::KiviValueCodec<2, 64>>;
-using EncodeKivi4G128Values = EncodeKiviPlane<quant::KiviValueCodec<4, 128>>;
+using EncodeF32Keys = EncodePlane<quant::FloatCodec<float, Plane::kKey>>;
+using EncodeF32Values = EncodePlane<quant::FloatCodec<float, Plane::kValue>>;
+using EncodeF16Keys = EncodePlane<quant::FloatCodec<half, Plane::kKey>>;
+using EncodeF16Values = EncodePlane<quant::FloatCodec<half, Plane::kValue>>;
+using EncodeBF16Keys = EncodePlane<quant::FloatCodec<bfloat16, Plane::kKey>>;
+using EncodeBF16Values = EncodePlane<quant::FloatCodec<bfloat16, Plane::kValue>>;
+using EncodeInt8Keys = EncodePlane<quant::Int8Codec<Plane::kKey>>;
+using EncodeInt8Values = EncodePlane<quant::Int8Codec<Plane::kValue>>;
+using EncodeQ8_0Keys = EncodePlane<quant::Q8_0Codec<Plane::kKey>>;
+using EncodeQ8_0Values = EncodePlane<quant::Q8_0Codec<Plane::kValue>>;
+using EncodeQ4_0Keys = EncodePlane<quant::Q4_0Codec<Plane::kKey>>;
+using EncodeQ4_0Values = EncodePlane<quant::Q4_0Codec<Plane::kValue>>;
+using EncodeKivi2Keys = EncodePlane<quant::KiviKeyCodec<2, 32>>;
+using EncodeKivi4Keys = EncodePlane<quant::KiviKeyCodec<4, 32>>;
+using EncodeKivi2G64Keys = EncodePlane<quant::KiviKeyCodec<2, 64>>;
+using EncodeKivi4G128Keys = EncodePlane<quant::KiviKeyCodec<4, 128>>;
+using EncodeKivi2TokenKeys = EncodePlane<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
+using EncodeKivi4TokenKeys = EncodePlane<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
+using EncodeKivi2Values = EncodePlane<quant::KiviValueCodec<2, 32>>;
+using EncodeKivi4Values = EncodePlane<quant::KiviValueCodec<4, 32>>;
+using EncodeKivi2G64Values = EncodePlane<quant::KiviValueCodec<2, 64>>;
+using EncodeKivi4G128Values = EncodePlane<quant::KiviValueCodec<4, 128>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
