@@ -47,18 +47,12 @@ template <class Codec>
 }
 
 #if XSIMD_WITH_AVX512BW
-/// Lanes [0, n) of a 16-lane vector.
-template <class A>
-KVPACK_ALWAYS_INLINE __mmask16 first_lanes(index_t n) noexcept {
-  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
 /// max |x_c| over n floats; NaN lanes lose (vmaxps returns its second operand when one is NaN).
 template <class A>
 KVPACK_ALWAYS_INLINE float abs_max(const float* x, index_t n) noexcept {
   __m512 m = _mm512_setzero_ps();
   for (index_t c = 0; c < n; c += 16) {
-    m = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(first_lanes<A>(n - c), x + c)), m);
+    m = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(simd::first_lanes<A>(n - c), x + c)), m);
   }
   return _mm512_reduce_max_ps(m);
 }
@@ -66,7 +60,7 @@ KVPACK_ALWAYS_INLINE float abs_max(const float* x, index_t n) noexcept {
 /// ggml::round_to_int8_code(x_c · inverse) for n ≤ 16 floats, as 16 bytes (lanes past n are 0).
 template <class A>
 KVPACK_ALWAYS_INLINE __m128i codes16(const float* x, index_t n, float inverse) noexcept {
-  const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes<A>(n), x), _mm512_set1_ps(inverse));
+  const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(simd::first_lanes<A>(n), x), _mm512_set1_ps(inverse));
   const __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
   // With v not NaN, max-then-min is std::clamp; NaN lanes are zeroed below.
   const __m512 clamped = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));

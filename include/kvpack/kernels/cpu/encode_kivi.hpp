@@ -21,6 +21,7 @@
 /// lane.
 
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -38,11 +39,6 @@ namespace kivi_encode {
 #if XSIMD_WITH_AVX512BW
 constexpr int kRoundHalf = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-template <class A>
-KVPACK_ALWAYS_INLINE __mmask16 first_lanes(index_t n) noexcept {
-  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
 /// Whether any of the page's inputs is NaN.
 template <class A>
 KVPACK_ALWAYS_INLINE bool has_nan(const EncodeRowsArgs& args) noexcept {
@@ -50,7 +46,7 @@ KVPACK_ALWAYS_INLINE bool has_nan(const EncodeRowsArgs& args) noexcept {
   for (index_t t = 0; t < args.page_size; ++t) {
     const float* row = args.rows + static_cast<std::ptrdiff_t>(t) * args.row_stride;
     for (index_t c = 0; c < args.head_dim; c += 16) {
-      const __m512 x = _mm512_maskz_loadu_ps(first_lanes<A>(args.head_dim - c), row + c);
+      const __m512 x = _mm512_maskz_loadu_ps(simd::first_lanes<A>(args.head_dim - c), row + c);
       nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     }
   }
@@ -96,7 +92,7 @@ void encode_keys(const EncodeRowsArgs& args) noexcept {
   for (index_t group = 0; group < g.page_size / Group; ++group) {
     const index_t first = group * Group;
     for (index_t c = 0; c < g.head_dim; c += 16) {
-      const __mmask16 lanes = first_lanes<A>(g.head_dim - c);
+      const __mmask16 lanes = simd::first_lanes<A>(g.head_dim - c);
       __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
       for (index_t t = first; t < first + Group; ++t) {
         const __m512 x = _mm512_maskz_loadu_ps(lanes, row_of(t) + c);
@@ -114,7 +110,8 @@ void encode_keys(const EncodeRowsArgs& args) noexcept {
         __m512i packed = _mm512_setzero_si512();
         for (int k = 0; k < kCodesPerWord; ++k) {
           const __m512 x = _mm512_maskz_loadu_ps(lanes, row_of(first + word * kCodesPerWord + k) + c);
-          packed = _mm512_or_si512(packed, _mm512_slli_epi32(codes16<A, Bits>(x, min, scale), Bits * k));
+          const __m512i codes = codes16<A, Bits>(x, min, scale);  // not inside the call: a macro at -O0
+          packed = _mm512_or_si512(packed, _mm512_slli_epi32(codes, Bits * k));
         }
         _mm512_mask_i32scatter_epi32(rows_at + word * 4, lanes, row_starts, packed, 1);
       }

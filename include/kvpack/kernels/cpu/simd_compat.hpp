@@ -19,6 +19,7 @@
 
 #include "kvpack/config.hpp"
 #include "kvpack/core/half.hpp"
+#include "kvpack/core/types.hpp"
 
 namespace kvpack::inline v0::kernels::cpu::simd {
 
@@ -384,5 +385,15 @@ KVPACK_ALWAYS_INLINE float reduce_max(f32<A> x) noexcept {
   for (std::size_t i = 1; i < f32<A>::size; ++i) best = lanes[i] > best ? lanes[i] : best;
   return best;
 }
+
+// --- masks --------------------------------------------------------------------------------
+
+#if XSIMD_WITH_AVX512BW
+/// Lanes [0, n) of a 16-lane vector (all of them for n ≥ 16): a row's last, partial vector.
+template <class A>
+KVPACK_ALWAYS_INLINE __mmask16 first_lanes(index_t n) noexcept {
+  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+#endif
 
 }  // namespace kvpack::inline v0::kernels::cpu::simd
