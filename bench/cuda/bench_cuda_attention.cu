@@ -64,7 +64,7 @@ struct HostPages {
   }
 };
 
-template <class Quantizer>
+template <class Quantizer, gpu::AttentionKernel Kernel = gpu::AttentionKernel::kBest>
 void BM_CudaDecodeAttention(benchmark::State& state) {
   using KP = typename Quantizer::key_codec::params_type;
   using VP = typename Quantizer::value_codec::params_type;
@@ -129,11 +129,14 @@ void BM_CudaDecodeAttention(benchmark::State& state) {
   cudaEvent_t start, stop;
   gpu::check(cudaEventCreate(&start), "event");
   gpu::check(cudaEventCreate(&stop), "event");
-  gpu::attend_paged<typename Quantizer::key_codec, typename Quantizer::value_codec>(args, pages_per_stream, workspace);
+  using KC = typename Quantizer::key_codec;
+  using VC = typename Quantizer::value_codec;
+  state.SetLabel(gpu::attends_on_tensor_cores<KC, VC>(args, Kernel) ? "tensor cores" : "generic");
+  gpu::attend_paged<KC, VC>(args, pages_per_stream, workspace, nullptr, Kernel);
   gpu::check(cudaDeviceSynchronize(), "warm-up");
   for (auto _ : state) {
     cudaEventRecord(start);
-    gpu::attend_paged<typename Quantizer::key_codec, typename Quantizer::value_codec>(args, pages_per_stream, workspace);
+    gpu::attend_paged<KC, VC>(args, pages_per_stream, workspace, nullptr, Kernel);
     cudaEventRecord(stop);
     gpu::check(cudaEventSynchronize(stop), "attention");
     float ms = 0.0f;
@@ -210,11 +213,13 @@ void shapes(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Float<kvpack::half>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Float<kvpack::half>, gpu::AttentionKernel::kGeneric)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Float<kvpack::bfloat16>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::FP8<quant::E4M3FN>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Int8)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q8_0)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q4_0)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q4_0, gpu::AttentionKernel::kGeneric)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<4, 32>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<2, 32>)->Apply(shapes);
 

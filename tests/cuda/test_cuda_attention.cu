@@ -56,6 +56,7 @@ struct DeviceRun {
   std::vector<StreamData> data;
   std::vector<float> device_out;
   index_t group = 0, head_dim = 0;
+  bool tensor_cores = false;  ///< whether the launch ran on the tensor-core kernel
 
   DeviceRun(index_t page_size, index_t head_dim_, index_t group_, const std::vector<StreamShape>& shapes,
             std::uint32_t seed, void (*poison)(test::StreamFixture<Quantizer>&) = nullptr)
@@ -82,6 +83,7 @@ struct DeviceRun {
     REQUIRE(pool.pages_in_use() == total_pages);
     gpu::DeviceBuffer<float> device_queries{std::span<const float>(queries)};
     gpu::DeviceBuffer<float> out(queries.size());
+    tensor_cores = layer.attends_on_tensor_cores();
     layer.attend(device_queries.data(), out.data());
     gpu::check(cudaDeviceSynchronize(), "attention");
     device_out = out.download();
@@ -101,8 +103,9 @@ struct DeviceRun {
 
 /// Every stream within the fp32 bound of support/error_bound.hpp (the device computes in fp32,
 /// in another order than the reference's double).
+/// Returns whether the launch ran on the tensor-core kernel.
 template <class Quantizer>
-void check_against_reference(index_t page_size, index_t head_dim, index_t group, const std::vector<StreamShape>& shapes,
+bool check_against_reference(index_t page_size, index_t head_dim, index_t group, const std::vector<StreamShape>& shapes,
                              std::uint32_t seed) {
   const DeviceRun<Quantizer> run(page_size, head_dim, group, shapes, seed);
   for (std::size_t s = 0; s < shapes.size(); ++s) {
@@ -118,6 +121,7 @@ void check_against_reference(index_t page_size, index_t head_dim, index_t group,
                            << " rows): error " << worst << ", bound " << bound);
     CHECK(worst <= bound);
   }
+  return run.tensor_cores;
 }
 
 template <class Quantizer>
@@ -149,6 +153,19 @@ TEST_CASE("CUDA attention matches the reference: Int8, Q8_0, Q4_0", "[cuda]") {
   check_quantizer<quant::Q8_0>();
   check_quantizer<quant::Q4_0>();
   check_against_reference<quant::Q4_0>(256, 128, 4, {{3, 200}}, 600);  // the largest page
+}
+
+TEST_CASE("fp16 and q4_0 run on tensor cores where their pages fit it, on the generic kernel elsewhere", "[cuda]") {
+  using F16 = quant::Float<kvpack::half>;
+  // The shapes of check_quantizer take the tensor-core kernel ...
+  CHECK(check_against_reference<F16>(32, 128, 4, {{9, 31}}, 1000));
+  CHECK(check_against_reference<quant::Q4_0>(64, 96, 3, {{7, 63}}, 1001));
+  // ... pages that are not whole 32-token chunks, head_dim 256 and tails longer than 256 rows
+  // do not, and still match the reference; nor do the codecs without tensor-core tiles.
+  CHECK_FALSE(check_against_reference<F16>(16, 128, 4, {{9, 15}}, 1002));
+  CHECK_FALSE(check_against_reference<quant::Q4_0>(32, 256, 2, {{5, 3}}, 1003));
+  CHECK_FALSE(check_against_reference<F16>(32, 64, 2, {{2, 0}, {1, 300}}, 1004));
+  CHECK_FALSE(check_against_reference<quant::Float<float>>(32, 128, 4, {{3, 1}}, 1005));
 }
 
 TEST_CASE("CUDA attention matches the reference: KIVI-2 and KIVI-4", "[cuda]") {

@@ -143,6 +143,17 @@ class DeviceLayer {
   void attend(const float* device_queries, float* device_out, cudaStream_t stream = nullptr) {
     KVPACK_CHECK(streams() > 0, kInvalidArgument, "DeviceLayer::attend: no stream was added");
     if (dirty_) upload_tables();
+    attend_paged<KeyCodec, ValueCodec>(launch_args(device_queries, device_out), max_pages_, workspace_, stream);
+  }
+
+  /// Whether `attend` runs on the tensor-core kernel (mma_attention.cuh) rather than the generic one.
+  [[nodiscard]] bool attends_on_tensor_cores() {
+    if (dirty_) upload_tables();
+    return kernels::cuda::attends_on_tensor_cores<KeyCodec, ValueCodec>(launch_args(nullptr, nullptr));
+  }
+
+ private:
+  PagedAttentionArgs<KeyParams, ValueParams> launch_args(const float* device_queries, float* device_out) const {
     PagedAttentionArgs<KeyParams, ValueParams> args;
     args.pages = pages_.data();
     args.first_page = first_page_device_.data();
@@ -160,10 +171,9 @@ class DeviceLayer {
     args.head_dim = head_dim_;
     args.value_offset = value_offset_;
     args.payload_bytes = pool_->format().payload_bytes;
-    attend_paged<KeyCodec, ValueCodec>(args, max_pages_, workspace_, stream);
+    return args;
   }
 
- private:
   struct Rows {
     Rows(const float* k0, const float* k1, const float* v0, const float* v1) : keys(k0, k1), values(v0, v1) {}
     std::vector<float> keys, values;

@@ -11,6 +11,10 @@
 /// HBM read stays in flight. Elements are decoded from shared memory by the codec's
 /// ElementDecoder, two at a time and once for all heads of the pass. The last split also reads the
 /// stream's full-precision tail rows. A second kernel merges the splits' (max, sum, acc).
+///
+/// This is the generic kernel: attend_paged sends codec pairs with tensor-core tiles (fp16, q4_0)
+/// to mma_attention.cuh instead when the launch's shape fits it, and merges either with
+/// combine_kernel.
 
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
@@ -21,12 +25,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/kernels/cuda/check.cuh"
 #include "kvpack/kernels/cuda/device_memory.cuh"
 #include "kvpack/kernels/cuda/element_decode.hpp"
+#include "kvpack/kernels/cuda/mma_attention.cuh"
+#include "kvpack/kernels/cuda/warp_reduce.cuh"
 #include "kvpack/quant/quant_concepts.hpp"
 
 namespace kvpack::inline v0::kernels::cuda {
@@ -98,15 +105,6 @@ __device__ __forceinline__ void load_heads(const float* p, float (&heads)[G]) {
   } else {
     heads[0] = p[0];
   }
-}
-
-__device__ inline float warp_max(float v) {
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-__device__ inline float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
 }
 
 /// One split of one stream for heads [pass·G, pass·G + G) of the group: writes its running
@@ -335,15 +333,17 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /// out[stream][h] = Σ_split e^(m_split − M) acc_split / Σ_split e^(m_split − M) sum_split. One block
-/// per (head, stream): the split weights are computed once into shared memory, then every thread
-/// sums its channel over the splits with independent loads (a serial chain of hundreds of global
-/// reads per thread once took as long as the attention itself).
+/// per (head, stream, 32 channels): the split weights are computed once into shared memory, then
+/// each warp sums its share of the splits for 32 channels with coalesced loads, and the warps'
+/// sums are added (a serial chain of hundreds of global reads per thread once took as long as
+/// the attention itself).
 __global__ void __launch_bounds__(kThreads)
     combine_kernel(const float* part_max, const float* part_sum, const float* part_acc, index_t splits,
                    index_t group, index_t d, float* out) {
   extern __shared__ float split_weight[];  // [splits]
   __shared__ float reduce[kWarps];
   __shared__ float shared_top;
+  __shared__ float channel_sums[kWarps][32];
   const index_t stream = blockIdx.y;
   const index_t h = blockIdx.x;
   auto row = [&](index_t split) { return (static_cast<std::size_t>(stream) * splits + split) * group + h; };
@@ -378,12 +378,19 @@ __global__ void __launch_bounds__(kThreads)
   for (int w = 0; w < kWarps; ++w) denominator += reduce[w];
   const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;
 
-  for (index_t c = threadIdx.x; c < d; c += kThreads) {
-    float numerator = 0.0f;
+  const index_t c = static_cast<index_t>(blockIdx.z) * 32 + lane;
+  float numerator = 0.0f;
+  if (c < d) {
     // A split that saw no token has weight 0 and a zero accumulator.
-#pragma unroll 8
-    for (index_t s = 0; s < splits; ++s) numerator += split_weight[s] * part_acc[row(s) * d + c];
-    out[(static_cast<std::size_t>(stream) * group + h) * d + c] = numerator * inverse;
+#pragma unroll 4
+    for (index_t s = warp; s < splits; s += kWarps) numerator += split_weight[s] * part_acc[row(s) * d + c];
+  }
+  channel_sums[warp][lane] = numerator;
+  __syncthreads();
+  if (warp == 0 && c < d) {
+    float total = 0.0f;
+    for (int w = 0; w < kWarps; ++w) total += channel_sums[w][lane];
+    out[(static_cast<std::size_t>(stream) * group + h) * d + c] = total * inverse;
   }
 }
 
@@ -468,22 +475,13 @@ attention_detail::LaunchPlan plan_launch(const PagedAttentionArgs<KeyParams, Val
   return plan;
 }
 
-/// out = softmax(q·Kᵀ) V for every stream and query head of `a`, on `stream`. `max_pages` is the
-/// most pages any stream holds (it bounds the split count). Asynchronous: synchronise `stream`
-/// before reading `a.out`.
-template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-  requires DeviceDecodable<KeyCodec> && DeviceDecodable<ValueCodec>
-void attend_paged(const PagedAttentionArgs<typename KeyCodec::params_type, typename ValueCodec::params_type>& a,
-                  index_t max_pages, AttentionWorkspace& workspace, cudaStream_t stream = nullptr) {
+/// Launches the generic kernel's splits on `stream`; returns the number of partials per (stream,
+/// head) it writes.
+template <class KeyCodec, class ValueCodec, class Args>
+index_t launch_generic_attention(const Args& a, index_t max_pages, AttentionWorkspace& workspace, cudaStream_t stream) {
   using namespace attention_detail;
   using KP = typename KeyCodec::params_type;
   using VP = typename ValueCodec::params_type;
-  KVPACK_CHECK(a.streams > 0 && a.group > 0 && a.head_dim > 0 && a.page_size > 0, kInvalidArgument,
-               "CUDA attention: streams, group, head_dim and page_size must be positive");
-  KVPACK_CHECK(a.payload_bytes % 64 == 0, kInvalidArgument, "CUDA attention: payload_bytes must be a multiple of 64");
-  KVPACK_CHECK(a.head_dim <= kMaxHeadDim && a.head_dim % 2 == 0, kUnsupported,
-               ::kvpack::detail::message("CUDA attention supports even head_dim up to ", kMaxHeadDim, ", got ",
-                                         a.head_dim));
   const LaunchPlan plan = plan_launch(a, max_pages);
   workspace.reserve(static_cast<std::size_t>(a.streams) * plan.splits * a.group, a.head_dim);
 
@@ -507,9 +505,53 @@ void attend_paged(const PagedAttentionArgs<typename KeyCodec::params_type, typen
     default: launch(std::integral_constant<int, 8>{}); break;
   }
   check(cudaGetLastError(), "split kernel launch");
-  combine_kernel<<<dim3(static_cast<unsigned>(a.group), static_cast<unsigned>(a.streams)), kThreads,
-                   static_cast<std::size_t>(plan.splits) * sizeof(float), stream>>>(
-      workspace.max(), workspace.sum(), workspace.acc(), plan.splits, a.group, a.head_dim, a.out);
+  return plan.splits;
+}
+
+/// Which kernel attend_paged may use: the best that takes the launch, or the generic one always
+/// (for comparisons).
+enum class AttentionKernel { kBest, kGeneric };
+
+/// Whether attend_paged runs a launch with these arguments on the tensor-core kernel
+/// (mma_attention.cuh) rather than the generic one.
+template <quant::Codec KeyCodec, quant::Codec ValueCodec, class Args>
+bool attends_on_tensor_cores(const Args& a, AttentionKernel kernel = AttentionKernel::kBest) {
+  if constexpr (MmaReadable<KeyCodec, ValueCodec>) return kernel == AttentionKernel::kBest && mma_attention_fits(a);
+  return false;
+}
+
+/// out = softmax(q·Kᵀ) V for every stream and query head of `a`, on `stream`. `max_pages` is the
+/// most pages any stream holds (it bounds the split count). Codec pairs with tensor-core tiles
+/// (mma_tiles.cuh) take the tensor-core kernel when the shape fits it, every other launch the
+/// generic one. Asynchronous: synchronise `stream` before reading `a.out`.
+template <quant::Codec KeyCodec, quant::Codec ValueCodec>
+  requires DeviceDecodable<KeyCodec> && DeviceDecodable<ValueCodec>
+void attend_paged(const PagedAttentionArgs<typename KeyCodec::params_type, typename ValueCodec::params_type>& a,
+                  index_t max_pages, AttentionWorkspace& workspace, cudaStream_t stream = nullptr,
+                  AttentionKernel kernel = AttentionKernel::kBest) {
+  using namespace attention_detail;
+  KVPACK_CHECK(a.streams > 0 && a.group > 0 && a.head_dim > 0 && a.page_size > 0, kInvalidArgument,
+               "CUDA attention: streams, group, head_dim and page_size must be positive");
+  KVPACK_CHECK(a.payload_bytes % 64 == 0, kInvalidArgument, "CUDA attention: payload_bytes must be a multiple of 64");
+  KVPACK_CHECK(a.head_dim <= kMaxHeadDim && a.head_dim % 2 == 0, kUnsupported,
+               ::kvpack::detail::message("CUDA attention supports even head_dim up to ", kMaxHeadDim, ", got ",
+                                         a.head_dim));
+  const index_t partials = [&] {
+    if constexpr (MmaReadable<KeyCodec, ValueCodec>) {
+      if (attends_on_tensor_cores<KeyCodec, ValueCodec>(a, kernel)) {
+        auto reserve = [&](index_t count) {
+          workspace.reserve(static_cast<std::size_t>(a.streams) * count * a.group, a.head_dim);
+          return std::tuple{workspace.max(), workspace.sum(), workspace.acc()};
+        };
+        return launch_mma_attention<KeyCodec, ValueCodec>(a, max_pages, device_limits().multiprocessors, reserve, stream);
+      }
+    }
+    return launch_generic_attention<KeyCodec, ValueCodec>(a, max_pages, workspace, stream);
+  }();
+  const dim3 combine_grid(static_cast<unsigned>(a.group), static_cast<unsigned>(a.streams),
+                          static_cast<unsigned>((a.head_dim + 31) / 32));
+  combine_kernel<<<combine_grid, kThreads, static_cast<std::size_t>(partials) * sizeof(float), stream>>>(
+      workspace.max(), workspace.sum(), workspace.acc(), partials, a.group, a.head_dim, a.out);
   check(cudaGetLastError(), "combine kernel launch");
 }
 
