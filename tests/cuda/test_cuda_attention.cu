@@ -1,7 +1,8 @@
 // The CUDA decode-attention kernels against the scalar reference (kernels/reference.hpp) on the
 // same page bytes, for every codec the device reads: several streams of different lengths in one
 // launch (pages not filling a split, tail rows only, hundreds of pages), outlier channels, zero
-// rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; and pages
+// rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; which of
+// the two kernels (tensor cores for fp16 and q4_0, generic otherwise) a launch takes; and pages
 // encoded on the device, byte for byte against the host encoders. Without a GPU the binary exits
 // with CTest's skip code (77) and says why.
 
