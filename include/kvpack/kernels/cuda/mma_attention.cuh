@@ -87,9 +87,8 @@ __global__ void __launch_bounds__(kThreads)
   const index_t d = a.head_dim;
   const quant::PageGeometry geometry{a.page_size, d};
 
-  const QueryFragments<KTiles> q =
-      load_query<Keys, KTiles>(a.queries + (static_cast<std::size_t>(stream) * a.group + first_head + min(g, heads - 1)) * d,
-                               g < heads);
+  const std::size_t query_row = static_cast<std::size_t>(stream) * a.group + first_head + min(g, heads - 1);
+  const QueryFragments<KTiles> q = load_query<Keys, KTiles>(a.queries + query_row * d, g < heads);
 
   const index_t first = a.first_page[stream];
   const index_t count = a.first_page[stream + 1] - first;
@@ -184,7 +183,9 @@ __global__ void __launch_bounds__(kThreads)
     const index_t c = i % d;
     const float top = block_max(h);
     float total = 0.0f;
-    for (int w = 0; w < kWarps; ++w) total += weight(w, h, top) * merge_acc[(static_cast<std::size_t>(w) * kHeads + h) * d + c];
+    for (int w = 0; w < kWarps; ++w) {
+      total += weight(w, h, top) * merge_acc[(static_cast<std::size_t>(w) * kHeads + h) * d + c];
+    }
     part_acc[(row + h) * d + c] = total;
   }
   if (threadIdx.x < heads) {
@@ -276,7 +277,8 @@ index_t launch_mma_attention(const Args& a, index_t max_pages, int multiprocesso
                              cudaStream_t stream) {
   using namespace mma_attention_detail;
   const index_t passes = (a.group + kHeads - 1) / kHeads;
-  const std::size_t shared = (2 * kWarps * kHeads + static_cast<std::size_t>(kWarps) * kHeads * a.head_dim) * sizeof(float);
+  const std::size_t shared =
+      (2 * kWarps * kHeads + static_cast<std::size_t>(kWarps) * kHeads * a.head_dim) * sizeof(float);
   auto launch = [&](auto tiles) {
     constexpr int KTiles = decltype(tiles)::value;
     auto* kernel = &split_kernel<KeyCodec, ValueCodec, KTiles, Args>;

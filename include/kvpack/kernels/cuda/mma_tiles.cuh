@@ -27,6 +27,8 @@
 
 #include "kvpack/config.hpp"
 #include "kvpack/core/half.hpp"
+#include "kvpack/kernels/cuda/element_decode.hpp"
+#include "kvpack/kernels/cuda/warp_reduce.cuh"
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
@@ -63,27 +65,12 @@ __device__ __forceinline__ float fp16_range_scale(float largest) {
   return ldexpf(1.0f, e);
 }
 
-/// max over the four lanes of a quad (the lanes sharing g).
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
 /// Bits 0–3 and 16–19 of `word >> shift` as the fp16 pair (code − 8): or-ing a nibble n into the
 /// mantissa of 1024.0 gives 1024 + n exactly, and subtracting 1032 leaves n − 8, also exact.
 __device__ __forceinline__ std::uint32_t nibble_pair(std::uint32_t word, int shift) {
   const std::uint32_t biased = ((word >> shift) & 0x000F000Fu) | 0x64006400u;
   const __half2 value = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6408)));
   return *reinterpret_cast<const std::uint32_t*>(&value);
-}
-
-template <class T>
-__device__ __forceinline__ T load(const std::byte* at) {
-  return *reinterpret_cast<const T*>(at);
 }
 
 /// The fp16 pair (low half of x, low half of y) or (high half of x, high half of y).
@@ -142,7 +129,7 @@ struct MmaKeys<quant::FloatCodec<half, Plane::kKey>> {
       for (int i = 0; i < 4; ++i) {
         const int slot = 2 * k + (i % 2) + (i / 2) * 8;
         const std::size_t element = static_cast<std::size_t>(channel(kt, slot)) * geometry.page_size + 32 * chunk + 4 * g;
-        fetched.rows[kt][i] = mma_detail::load<uint2>(plane + element * 2);
+        fetched.rows[kt][i] = decode_detail::load<uint2>(plane + element * 2);
       }
     }
     return fetched;
@@ -204,9 +191,9 @@ struct MmaKeys<quant::Q4_0Codec<Plane::kKey>> {
 #pragma unroll
     for (int b = 0; b < KTiles / 2; ++b) {
       const std::size_t row = static_cast<std::size_t>(4 * b + k) * geometry.page_size + 32 * chunk + 4 * g;
-      fetched.words[b] = mma_detail::load<uint4>(plane + row * 4);
+      fetched.words[b] = decode_detail::load<uint4>(plane + row * 4);
       fetched.scales[b] =
-          mma_detail::load<uint4>(scales + (static_cast<std::size_t>(b) * geometry.page_size + 32 * chunk + 8 * k) * 2);
+          decode_detail::load<uint4>(scales + (static_cast<std::size_t>(b) * geometry.page_size + 32 * chunk + 8 * k) * 2);
     }
     return fetched;
   }
@@ -276,7 +263,7 @@ struct MmaValues<quant::FloatCodec<half, Plane::kValue>> {
           plane + (static_cast<std::size_t>(32 * chunk + 8 * k + i) * geometry.head_dim + 2 * MTiles * g) * 2;
 #pragma unroll
       for (int m = 0; m < MTiles; m += 2) {
-        const uint2 pair = mma_detail::load<uint2>(run + 4 * m);
+        const uint2 pair = decode_detail::load<uint2>(run + 4 * m);
         fetched.words[i][m] = pair.x;
         fetched.words[i][m + 1] = pair.y;
       }
@@ -339,10 +326,10 @@ struct MmaValues<quant::Q4_0Codec<Plane::kValue>> {
 #pragma unroll
       for (int kt = 0; kt < 2; ++kt) {
         const std::size_t quad = static_cast<std::size_t>(8 * chunk + 2 * k + kt);
-        fetched.words[b][kt] = mma_detail::load<uint2>(plane + ((quad * blocks_per_row + b) * 16 + 2 * g) * 4);
+        fetched.words[b][kt] = decode_detail::load<uint2>(plane + ((quad * blocks_per_row + b) * 16 + 2 * g) * 4);
       }
       fetched.scales[b] =
-          mma_detail::load<uint4>(scales + (static_cast<std::size_t>(b) * geometry.page_size + 32 * chunk + 8 * k) * 2);
+          decode_detail::load<uint4>(scales + (static_cast<std::size_t>(b) * geometry.page_size + 32 * chunk + 8 * k) * 2);
     }
     return fetched;
   }
