@@ -6,7 +6,8 @@
 // of the same bytes (read plus written): what the memory system streams in practice.
 //
 // Pages hold codes encoded on the host by each codec's scalar encoder from random data with
-// outlier channels (256 distinct pages, copied across the whole pool on the device).
+// outlier channels (256 distinct pages, copied across the whole pool on the device). KVQuant is
+// calibrated on other draws of the same distribution.
 
 #include <benchmark/benchmark.h>
 
@@ -14,9 +15,11 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/device_params.cuh"
 #include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
 #include "kvpack/kvpack.hpp"
@@ -40,34 +43,60 @@ double peak_hbm_bytes_per_second() {
   return 2.0 * clock_khz * 1e3 * bus_bits / 8.0;  // double data rate
 }
 
+/// Rows drawn like the pages': keys with 4 outlier channels (10×), values plain normal.
+std::vector<float> random_rows(std::mt19937& rng, std::size_t count, bool keys) {
+  std::normal_distribution<float> normal;
+  std::vector<float> rows(count * kHeadDim);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = normal(rng) * (keys && i % kHeadDim < 4 ? 10.0f : 1.0f);
+  return rows;
+}
+
+template <class Quantizer>
+struct IsKVQuant : std::false_type {};
+template <int Bits>
+struct IsKVQuant<quant::KVQuant<Bits>> : std::true_type {};
+
+/// The codec pair under test: KVQuant calibrated on 4096 rows of other draws, the others as constructed.
+template <class Quantizer>
+const Quantizer& bench_quantizer() {
+  static const Quantizer q = [] {
+    if constexpr (IsKVQuant<Quantizer>::value) {
+      quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, kHeadDim}, {Quantizer::key_codec::kBits, 0.01});
+      std::mt19937 rng(5);
+      calibrator.add(0, random_rows(rng, 4096, true), random_rows(rng, 4096, false));
+      return Quantizer(calibrator.finish(), 0.01);
+    } else {
+      return Quantizer{};
+    }
+  }();
+  return q;
+}
+
 /// A random page set for one codec pair, as the cache would lay it out.
 template <class Quantizer>
 struct HostPages {
   std::size_t value_offset = 0, payload_bytes = 0;
   std::vector<std::byte> bytes;
   HostPages() {
-    const Quantizer q{};
+    const Quantizer& q = bench_quantizer<Quantizer>();
     const quant::PageGeometry g{kPageSize, kHeadDim};
     value_offset = (q.key.plane_bytes(g) + 63) / 64 * 64;
     payload_bytes = (value_offset + q.value.plane_bytes(g) + 63) / 64 * 64;
     bytes.assign(payload_bytes * kDistinctPages, std::byte{0});
     std::mt19937 rng(7);
-    std::normal_distribution<float> normal;
-    std::vector<float> rows(static_cast<std::size_t>(kPageSize) * kHeadDim);
     for (index_t p = 0; p < kDistinctPages; ++p) {
-      for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = normal(rng) * (i % kHeadDim < 4 ? 10.0f : 1.0f);
       std::byte* page = bytes.data() + p * payload_bytes;
-      q.key.encode(g, rows.data(), kHeadDim, q.key.initial_params(0, 0), page);
-      for (float& x : rows) x = normal(rng);
-      q.value.encode(g, rows.data(), kHeadDim, q.value.initial_params(0, 0), page + value_offset);
+      q.key.encode(g, random_rows(rng, kPageSize, true).data(), kHeadDim, q.key.initial_params(0, 0), page);
+      q.value.encode(g, random_rows(rng, kPageSize, false).data(), kHeadDim, q.value.initial_params(0, 0),
+                     page + value_offset);
     }
   }
 };
 
 template <class Quantizer, gpu::AttentionKernel Kernel = gpu::AttentionKernel::kBest>
 void BM_CudaDecodeAttention(benchmark::State& state) {
-  using KP = typename Quantizer::key_codec::params_type;
-  using VP = typename Quantizer::value_codec::params_type;
+  using KP = gpu::device_params_t<typename Quantizer::key_codec>;
+  using VP = gpu::device_params_t<typename Quantizer::value_codec>;
   const index_t context = static_cast<index_t>(state.range(0));
   const index_t sequences = static_cast<index_t>(state.range(1));
   const index_t streams = sequences * kKvHeads;
@@ -93,11 +122,15 @@ void BM_CudaDecodeAttention(benchmark::State& state) {
   std::vector<index_t> first_page(streams + 1);
   for (index_t s = 0; s <= streams; ++s) first_page[s] = s * pages_per_stream;
 
-  const Quantizer q{};
+  const Quantizer& q = bench_quantizer<Quantizer>();
   gpu::DeviceBuffer<const std::byte*> pages{std::span<const std::byte* const>(table)};
   gpu::DeviceBuffer<index_t> firsts{std::span<const index_t>(first_page)};
-  const std::vector<KP> key_params(streams, q.key.initial_params(0, 0));
-  const std::vector<VP> value_params(streams, q.value.initial_params(0, 0));
+  gpu::DeviceParamTables tables;
+  const quant::PageGeometry g{kPageSize, kHeadDim};
+  const std::vector<KP> key_params(
+      streams, tables.upload<typename Quantizer::key_codec>(q.key.initial_params(0, 0), g));
+  const std::vector<VP> value_params(
+      streams, tables.upload<typename Quantizer::value_codec>(q.value.initial_params(0, 0), g));
   gpu::DeviceBuffer<KP> device_key_params{std::span<const KP>(key_params)};
   gpu::DeviceBuffer<VP> device_value_params{std::span<const VP>(value_params)};
   const std::vector<index_t> no_rows(streams, 0);
@@ -222,6 +255,9 @@ BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q4_0)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::Q4_0, gpu::AttentionKernel::kGeneric)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<4, 32>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<2, 32>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KVQuant<4>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KVQuant<3>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KVQuant<2>)->Apply(shapes);
 
 void encode_shape(benchmark::internal::Benchmark* b) { b->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2); }
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Float<kvpack::half>)->Apply(encode_shape);

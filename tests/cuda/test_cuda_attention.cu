@@ -175,6 +175,15 @@ TEST_CASE("CUDA attention matches the reference: KIVI-2 and KIVI-4", "[cuda]") {
   check_against_reference<quant::KIVI<4, 64>>(64, 128, 4, {{20, 9}}, 700);
 }
 
+TEST_CASE("CUDA attention matches the reference: KVQuant-2, 3 and 4 with their exact outliers", "[cuda]") {
+  // Calibrated per head_dim on other draws (support/stream_fixture.hpp); the keys' outlier
+  // channels leave every page with exact outliers. The layer copies the calibrated key ranges to
+  // the device (device_params.cuh).
+  check_quantizer<quant::KVQuant<4>>();
+  check_quantizer<quant::KVQuant<3>>();
+  check_quantizer<quant::KVQuant<2>>();
+}
+
 TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {
   using Q = quant::Float<kvpack::half>;
   const DeviceRun<Q> run(32, 64, 2, {{4, 3}, {5, 1}}, 800, [](test::StreamFixture<Q>& f) {

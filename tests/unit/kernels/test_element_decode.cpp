@@ -14,6 +14,7 @@
 #include "kvpack/kernels/cuda/element_decode.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/random_kv.hpp"
+#include "support/stream_fixture.hpp"
 
 namespace {
 
@@ -38,8 +39,21 @@ bool same_float(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
 }
 
+/// The parameters the device decoder takes, on the host: KVQuant's with its host tables in place
+/// of the device copies.
 template <class Codec>
-void check_codec(const Codec& codec, typename Codec::params_type params, quant::PageGeometry g, bool non_finite) {
+kernels::cuda::device_params_t<Codec> decoder_params(const typename Codec::params_type& params, quant::PageGeometry g) {
+  if constexpr (std::is_same_v<kernels::cuda::device_params_t<Codec>, kernels::cuda::KVQuantDeviceKeyParams>) {
+    return kernels::cuda::to_device_params(params, g, params.offset, params.half_range);
+  } else if constexpr (std::is_same_v<kernels::cuda::device_params_t<Codec>, kernels::cuda::KVQuantDeviceValueParams>) {
+    return kernels::cuda::to_device_params(params, g);
+  } else {
+    return params;
+  }
+}
+
+template <class Codec>
+void check_codec(const Codec& codec, typename Codec::params_type host_params, quant::PageGeometry g, bool non_finite) {
   using Decoder = kernels::cuda::ElementDecoder<Codec>;
   try {
     codec.validate(g);
@@ -48,9 +62,10 @@ void check_codec(const Codec& codec, typename Codec::params_type params, quant::
   }
   const std::vector<float> rows = adversarial_rows(g.page_size, g.head_dim, codec.max_abs_input(), non_finite, 17);
   std::vector<std::byte> plane(codec.plane_bytes(g) + 64);
-  codec.encode(g, rows.data(), g.head_dim, params, plane.data());
+  codec.encode(g, rows.data(), g.head_dim, host_params, plane.data());
   std::vector<float> expected(static_cast<std::size_t>(g.page_size) * g.head_dim);
-  codec.decode(g, plane.data(), params, expected.data());
+  codec.decode(g, plane.data(), host_params, expected.data());
+  const auto params = decoder_params<Codec>(host_params, g);
   int mismatches = 0;
   for (index_t t = 0; t < g.page_size; ++t) {
     for (index_t c = 0; c < g.head_dim; ++c) {
@@ -79,7 +94,7 @@ void check_codec(const Codec& codec, typename Codec::params_type params, quant::
 
 template <class Quantizer>
 void check_quantizer(bool non_finite, std::vector<quant::PageGeometry> geometries) {
-  const Quantizer q{};
+  const Quantizer q = test::make_quantizer<Quantizer>(geometries.front().head_dim);
   for (const quant::PageGeometry g : geometries) {
     check_codec(q.key, q.key.initial_params(0, 0), g, non_finite);
     check_codec(q.value, q.value.initial_params(0, 0), g, non_finite);
@@ -101,6 +116,19 @@ TEST_CASE("CUDA element decoders equal the scalar decode of every device codec",
   check_quantizer<quant::KIVI<4, 64>>(false, {{64, 128}, {128, 64}});
 }
 
+TEST_CASE("CUDA element decoders read KVQuant's codebook, ranges and exact outliers like the scalar decode",
+          "[cuda][decode]") {
+  // One calibration per head_dim; the adversarial rows put a row at ±32752 and outlier
+  // channels far outside the calibrated key ranges, so every page stores outliers (and more
+  // candidates than it has room for: those left are rounded like the rest).
+  for (const index_t head_dim : {128, 64}) {
+    const std::vector<quant::PageGeometry> shapes{{32, head_dim}, {16, head_dim}, {128, head_dim}};
+    check_quantizer<quant::KVQuant<4>>(false, shapes);
+    check_quantizer<quant::KVQuant<3>>(false, shapes);
+    check_quantizer<quant::KVQuant<2>>(false, shapes);
+  }
+}
+
 TEST_CASE("CUDA FP8 element decoders apply the plane's scale like the scalar decode", "[cuda][decode]") {
   for (const float scale : {1.0f, 0.37f, 1e-3f}) {
     const quant::FP8Params params{scale};
@@ -119,5 +147,6 @@ TEST_CASE("KIVI's per-token key ablation decodes element-wise too", "[cuda][deco
 }
 
 static_assert(kernels::cuda::DeviceDecodable<quant::Q4_0Codec<Plane::kKey>>);
-static_assert(!kernels::cuda::DeviceDecodable<quant::KVQuantKeyCodec<4>>,
-              "KVQuant is not on the device yet: its entry points must reject it at compile time");
+static_assert(kernels::cuda::DeviceDecodable<quant::KVQuantKeyCodec<3>>);
+static_assert(!kernels::cuda::DeviceDecodable<quant::TurboQuant<8>::key_codec>,
+              "TurboQuant is not on the device yet: its entry points must reject it at compile time");

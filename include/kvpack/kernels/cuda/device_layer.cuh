@@ -14,6 +14,7 @@
 
 #include "kvpack/cache.hpp"
 #include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/device_params.cuh"
 #include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
 
@@ -23,8 +24,11 @@ template <quant::Codec KeyCodec, quant::Codec ValueCodec>
   requires DeviceDecodable<KeyCodec> && DeviceDecodable<ValueCodec>
 class DeviceLayer {
  public:
-  using KeyParams = typename KeyCodec::params_type;
-  using ValueParams = typename ValueCodec::params_type;
+  using HostKeyParams = typename KeyCodec::params_type;
+  using HostValueParams = typename ValueCodec::params_type;
+  /// What the kernels read (device_params.cuh): the host's, or copies of the tables they point to.
+  using KeyParams = device_params_t<KeyCodec>;
+  using ValueParams = device_params_t<ValueCodec>;
 
   /// \param group query heads per stream; \param value_offset bytes from a payload's start to
   ///        its V plane (the pool's payload size is the page stride)
@@ -44,8 +48,9 @@ class DeviceLayer {
 
   /// Adds a stream: its pages (host payloads, token order; the same host page given twice is
   /// stored once), codec parameters and full-precision rows ([rows][head_dim] keys and values).
-  void add_stream(std::span<const std::byte* const> host_pages, KeyParams key_params, ValueParams value_params,
-                  std::span<const float> row_keys, std::span<const float> row_values) {
+  void add_stream(std::span<const std::byte* const> host_pages, const HostKeyParams& key_params,
+                  const HostValueParams& value_params, std::span<const float> row_keys,
+                  std::span<const float> row_values) {
     KVPACK_CHECK(row_keys.size() == row_values.size() && row_keys.size() % head_dim_ == 0, kInvalidArgument,
                  ::kvpack::detail::message("DeviceLayer::add_stream: ", row_keys.size(), " key and ", row_values.size(),
                                            " value floats are not whole rows of head_dim ", head_dim_));
@@ -68,19 +73,22 @@ class DeviceLayer {
         }
         ids.push_back(it->second);
       }
+      const quant::PageGeometry g{page_size_, head_dim_};
       key_params_.reserve(key_params_.size() + 1);
       value_params_.reserve(value_params_.size() + 1);
+      key_params_.push_back(param_tables_.upload<KeyCodec>(key_params, g));
+      value_params_.push_back(param_tables_.upload<ValueCodec>(value_params, g));
       rows_.reserve(rows_.size() + 1);
       stream_pages_.reserve(stream_pages_.size() + 1);
     } catch (...) {
       for (std::size_t i = owned_before; i < owned_.size(); ++i) pool_->release(owned_[i]);
       for (const std::byte* host : new_hosts) uploaded_.erase(host);
       owned_.resize(owned_before);
+      key_params_.resize(stream_pages_.size());
+      value_params_.resize(stream_pages_.size());
       throw;
     }
     stream_pages_.push_back(std::move(ids));
-    key_params_.push_back(key_params);
-    value_params_.push_back(value_params);
     rows_.push_back(std::move(rows));
     dirty_ = true;
   }
@@ -217,6 +225,7 @@ class DeviceLayer {
   std::vector<PageId> owned_;                               // every device page this layer holds
   std::vector<std::vector<PageId>> stream_pages_;           // per stream, in token order
   index_t max_pages_ = 0;
+  DeviceParamTables param_tables_;  // device copies of host tables the parameters point to
   std::vector<KeyParams> key_params_;
   std::vector<ValueParams> value_params_;
   std::vector<Rows> rows_;

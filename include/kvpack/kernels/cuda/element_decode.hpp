@@ -16,7 +16,12 @@
 /// and two consecutive channels of a value token (`channel_pair`). A decoder whose layout keeps
 /// such a pair side by side (fp16 and FP8 planes) reads it with one load; for the others the
 /// pair is two `at` calls.
+///
+/// A codec whose parameters point into host tables (KVQuant) has a device form of them,
+/// `device_params_t<Codec>`, with the tables copied to the device; every other codec's
+/// parameters are plain values and cross unchanged.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +34,7 @@
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/int8.hpp"
 #include "kvpack/quant/kivi.hpp"
+#include "kvpack/quant/kvquant.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
 #include "kvpack/quant/tile_layout.hpp"
@@ -246,6 +252,125 @@ struct ElementDecoder<quant::KiviTokenCodec<Bits, Group, P>> {
     const std::size_t meta = (static_cast<std::size_t>(t) * (g.head_dim / Group) + c / Group) * 2;
     return kivi_element<Bits>(plane + Codec::row_bytes(g) * t, c, plane + Codec::scales_offset(g) + meta,
                               plane + Codec::mins_offset(g) + meta);
+  }
+};
+
+/// KVQuant's parameters as the device reads them. The host's point into KVQuantTables on the
+/// host; these hold the codebook's levels themselves, the outlier section's capacity, and (keys)
+/// device addresses of the stream's per-channel offsets and half-ranges.
+struct KVQuantDeviceKeyParams {
+  const float* offset = nullptr;      ///< [head_dim], device memory
+  const float* half_range = nullptr;  ///< [head_dim], device memory
+  float levels[16] = {};
+  std::uint32_t outlier_capacity = 0;
+};
+struct KVQuantDeviceValueParams {
+  float levels[16] = {};
+  std::uint32_t outlier_capacity = 0;
+};
+
+/// The parameters the device kernels take for a codec: its own, unless they point into host memory.
+template <class Codec>
+struct DeviceParams {
+  using type = typename Codec::params_type;
+};
+template <int Bits>
+struct DeviceParams<quant::KVQuantKeyCodec<Bits>> {
+  using type = KVQuantDeviceKeyParams;
+};
+template <int Bits>
+struct DeviceParams<quant::KVQuantValueCodec<Bits>> {
+  using type = KVQuantDeviceValueParams;
+};
+template <class Codec>
+using device_params_t = typename DeviceParams<Codec>::type;
+
+/// The device form of a KVQuant key page's parameters, with `offset` and `half_range` where the
+/// caller put copies of the host's per-channel arrays (the host arrays themselves on the host).
+inline KVQuantDeviceKeyParams to_device_params(const quant::KVQuantKeyParams& host, quant::PageGeometry g,
+                                               const float* offset, const float* half_range) noexcept {
+  KVQuantDeviceKeyParams out;
+  out.offset = offset;
+  out.half_range = half_range;
+  std::copy(host.codebook->levels.begin(), host.codebook->levels.end(), out.levels);
+  out.outlier_capacity = static_cast<std::uint32_t>(quant::kvquant_detail::outlier_capacity(host.outlier_fraction, g));
+  return out;
+}
+inline KVQuantDeviceValueParams to_device_params(const quant::KVQuantValueParams& host, quant::PageGeometry g) noexcept {
+  KVQuantDeviceValueParams out;
+  std::copy(host.codebook->levels.begin(), host.codebook->levels.end(), out.levels);
+  out.outlier_capacity = static_cast<std::uint32_t>(quant::kvquant_detail::outlier_capacity(host.outlier_fraction, g));
+  return out;
+}
+
+namespace decode_detail {
+
+/// Code j of a row of Bits-bit codes (quant::kvquant_detail::get_code, callable on the device):
+/// a 16-bit window when the code crosses a byte.
+template <int Bits>
+KVPACK_HOST_DEVICE unsigned nuq_code(const std::byte* row, index_t j) noexcept {
+  const std::size_t bit = static_cast<std::size_t>(j) * Bits;
+  unsigned window = static_cast<unsigned>(row[bit / 8]);
+  if (bit % 8 + Bits > 8) window |= static_cast<unsigned>(row[bit / 8 + 1]) << 8;
+  return (window >> (bit % 8)) & ((1u << Bits) - 1u);
+}
+
+/// Element `index` (t·head_dim + c) of a page from its KVQuant outlier section, if stored there:
+/// a binary search of the ascending indices (`count`, then `u16 index[capacity]`, then `fp16
+/// value[capacity]`). With the same index twice (only a corrupt page), the last one wins, as
+/// in the scalar decode, which writes them in order.
+KVPACK_HOST_DEVICE bool nuq_outlier(const std::byte* section, std::uint32_t capacity, std::uint32_t index,
+                                    float& exact) noexcept {
+  const std::uint32_t stored = load<std::uint16_t>(section);
+  const std::uint32_t count = stored < capacity ? stored : capacity;
+  // The first entry above `index`: the one before it, if equal, is the last equal.
+  std::uint32_t lo = 0, hi = count;
+  while (lo < hi) {
+    const std::uint32_t mid = (lo + hi) / 2;
+    if (load<std::uint16_t>(section + 2 + 2 * mid) <= index) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo == 0 || load<std::uint16_t>(section + 2 + 2 * (lo - 1)) != index) return false;
+  exact = half_to_float(load<std::uint16_t>(section + 2 + 2 * static_cast<std::size_t>(capacity) + 2 * (lo - 1)));
+  return true;
+}
+
+}  // namespace decode_detail
+
+/// KVQuant keys: channel c's codes are row c, decoded with the channel's calibrated range.
+template <int Bits>
+struct ElementDecoder<quant::KVQuantKeyCodec<Bits>> {
+  static constexpr bool kSupported = true;
+  using Codec = quant::KVQuantKeyCodec<Bits>;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, const KVQuantDeviceKeyParams& p,
+                                     index_t t, index_t c) noexcept {
+    float exact;
+    const auto index = static_cast<std::uint32_t>(t * g.head_dim + c);
+    if (decode_detail::nuq_outlier(plane + Codec::outliers_offset(g), p.outlier_capacity, index, exact)) return exact;
+    const float level = p.levels[decode_detail::nuq_code<Bits>(plane + Codec::row_bytes(g) * c, t)];
+    return level * p.half_range[c] + p.offset[c];
+  }
+};
+
+/// KVQuant values: token t's codes are row t, decoded with the token's fp16 range.
+template <int Bits>
+struct ElementDecoder<quant::KVQuantValueCodec<Bits>> {
+  static constexpr bool kSupported = true;
+  using Codec = quant::KVQuantValueCodec<Bits>;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry g, const KVQuantDeviceValueParams& p,
+                                     index_t t, index_t c) noexcept {
+    float exact;
+    const auto index = static_cast<std::uint32_t>(t * g.head_dim + c);
+    if (decode_detail::nuq_outlier(plane + Codec::outliers_offset(g), p.outlier_capacity, index, exact)) return exact;
+    const float offset = decode_detail::half_to_float(
+        decode_detail::load<std::uint16_t>(plane + Codec::offsets_offset(g) + 2 * static_cast<std::size_t>(t)));
+    const float half_range = decode_detail::half_to_float(
+        decode_detail::load<std::uint16_t>(plane + Codec::ranges_offset(g) + 2 * static_cast<std::size_t>(t)));
+    const float level = p.levels[decode_detail::nuq_code<Bits>(plane + Codec::row_bytes(g) * t, c)];
+    return level * half_range + offset;
   }
 };
 

@@ -480,8 +480,8 @@ attention_detail::LaunchPlan plan_launch(const PagedAttentionArgs<KeyParams, Val
 template <class KeyCodec, class ValueCodec, class Args>
 index_t launch_generic_attention(const Args& a, index_t max_pages, AttentionWorkspace& workspace, cudaStream_t stream) {
   using namespace attention_detail;
-  using KP = typename KeyCodec::params_type;
-  using VP = typename ValueCodec::params_type;
+  using KP = device_params_t<KeyCodec>;
+  using VP = device_params_t<ValueCodec>;
   const LaunchPlan plan = plan_launch(a, max_pages);
   workspace.reserve(static_cast<std::size_t>(a.streams) * plan.splits * a.group, a.head_dim);
 
@@ -526,7 +526,7 @@ bool attends_on_tensor_cores(const Args& a, AttentionKernel kernel = AttentionKe
 /// generic one. Asynchronous: synchronise `stream` before reading `a.out`.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
   requires DeviceDecodable<KeyCodec> && DeviceDecodable<ValueCodec>
-void attend_paged(const PagedAttentionArgs<typename KeyCodec::params_type, typename ValueCodec::params_type>& a,
+void attend_paged(const PagedAttentionArgs<device_params_t<KeyCodec>, device_params_t<ValueCodec>>& a,
                   index_t max_pages, AttentionWorkspace& workspace, cudaStream_t stream = nullptr,
                   AttentionKernel kernel = AttentionKernel::kBest) {
   using namespace attention_detail;

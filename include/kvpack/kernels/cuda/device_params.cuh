@@ -1,0 +1,42 @@
+#pragma once
+/// \file device_params.cuh
+/// \brief Codec parameters made readable by the device: most codecs' parameters are plain values
+///        and cross unchanged; KVQuant's point into host tables, whose per-channel key ranges
+///        are copied to device memory here (element_decode.hpp defines the device forms).
+
+#include <type_traits>
+#include <vector>
+
+#include "kvpack/kernels/cuda/device_memory.cuh"
+#include "kvpack/kernels/cuda/element_decode.hpp"
+
+namespace kvpack::inline v0::kernels::cuda {
+
+/// Owns the device copies behind the device parameters it makes; keep it as long as they are read.
+class DeviceParamTables {
+ public:
+  template <class Codec>
+  device_params_t<Codec> upload(const typename Codec::params_type& host, quant::PageGeometry g) {
+    using Device = device_params_t<Codec>;
+    if constexpr (std::is_same_v<Device, KVQuantDeviceKeyParams>) {
+      // One buffer per stream, offsets then half-ranges: a few KiB, copied whatever host tables
+      // they came from, so a layer never depends on host memory staying alive.
+      std::vector<float> both(host.offset, host.offset + g.head_dim);
+      both.insert(both.end(), host.half_range, host.half_range + g.head_dim);
+      tables_.reserve(tables_.size() + 1);
+      tables_.emplace_back(std::span<const float>(both));
+      const float* device = tables_.back().data();
+      return to_device_params(host, g, device, device + g.head_dim);
+    } else if constexpr (std::is_same_v<Device, KVQuantDeviceValueParams>) {
+      return to_device_params(host, g);
+    } else {
+      static_assert(std::is_same_v<Device, typename Codec::params_type>);
+      return host;
+    }
+  }
+
+ private:
+  std::vector<DeviceBuffer<float>> tables_;
+};
+
+}  // namespace kvpack::inline v0::kernels::cuda
