@@ -273,9 +273,9 @@ KVPACK_QUEST_INLINE void score_page(const float* prepared, index_t stride, index
 
 /// Boxes requested ahead of the one being scored (all of their lines).
 ///
-/// A stream's boxes lie apart in the pool's metadata (~1.2 KiB each, one stream's every eighth
-/// at Llama-3.1-8B's 8 KV heads), and the ~200 instructions that score one leave the core
-/// too few loads in flight to keep memory busy: without the requests the scan ran at 0.69–0.71
+/// A stream's boxes lie in the pool's metadata, one per page (1.1 KiB apart at page 32 and
+/// head_dim 128, further where streams' pages interleave), and the ~200 instructions that score
+/// one leave the core too few loads in flight to keep memory busy: without the requests the scan ran at 0.69–0.71
 /// of a plain read of the same boxes (BM_PageBounds against BM_ReadSummaries), with them at
 /// 0.83–0.86, and fp16 Quest steps at 1/64 of 32K 17–20 % faster (2026-12-04, a 2-core Intel
 /// Xeon VM; 2 and 8 boxes ahead measured alike, 4 and 16 less well). An earlier attempt on the
