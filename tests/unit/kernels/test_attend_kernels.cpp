@@ -172,9 +172,9 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
 }
 
 // The fused kernels arrange lanes by group size: 2-bit groups of 64 fill four vectors per chunk,
-// 4-bit groups of 128 take several chunks per group on every ISA.
+// 4-bit groups of 128 take several chunks per group on every ISA; every group size is precompiled.
 TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI groups of 64 and 128", "[kernels][cpu]",
-                   (quant::KIVI<2, 64>), (quant::KIVI<4, 128>)) {
+                   (quant::KIVI<2, 64>), (quant::KIVI<4, 128>), (quant::KIVI<2, 128>), (quant::KIVI<4, 64>)) {
   for (const index_t group : {1, 3, 4, 8}) {
     const index_t page_size = 128, head_dim = 256, pages = 3, tail = 9;
     const std::size_t rows = static_cast<std::size_t>(pages) * page_size + tail;

@@ -278,4 +278,6 @@ TEST_CASE("every ISA encodes KIVI pages with exactly the codec's scalar bytes", 
   check_kivi_encodings<4, 32>();
   check_kivi_encodings<2, 64>();
   check_kivi_encodings<4, 128>();
+  check_kivi_encodings<2, 128>();
+  check_kivi_encodings<4, 64>();
 }

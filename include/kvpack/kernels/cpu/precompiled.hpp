@@ -2,8 +2,8 @@
 /// \file precompiled.hpp
 /// \brief The kernels the kvpack_cpu_dispatch library compiles once per instruction set.
 ///
-/// Every shipped codec is listed (KIVI with its default group of 32, plus 2-bit groups of 64 and
-/// 4-bit groups of 128, which take the fused kernels' other lane arrangements), the pre-RoPE key
+/// Every shipped codec is listed (KIVI at both widths and all three group sizes, 32, 64 and 128),
+/// the pre-RoPE key
 /// scorers of every element format and KVQuant, layout::MLA's page decoders for the usual latent
 /// and RoPE formats, and the write path's conversions and encoders (convert.hpp, encode_*.hpp).
 /// A kernel not listed here (a user's own codec) still works: it is compiled inline for the
@@ -36,6 +36,8 @@ using ScoreKivi2 = ScoreKeys<quant::KiviKeyCodec<2, 32>>;
 using ScoreKivi4 = ScoreKeys<quant::KiviKeyCodec<4, 32>>;
 using ScoreKivi2G64 = ScoreKeys<quant::KiviKeyCodec<2, 64>>;
 using ScoreKivi4G128 = ScoreKeys<quant::KiviKeyCodec<4, 128>>;
+using ScoreKivi2G128 = ScoreKeys<quant::KiviKeyCodec<2, 128>>;
+using ScoreKivi4G64 = ScoreKeys<quant::KiviKeyCodec<4, 64>>;
 using ScoreKivi2Token = ScoreKeys<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
 using ScoreKivi4Token = ScoreKeys<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
 using ScoreNuq2 = ScoreKeys<quant::KVQuantKeyCodec<2>>;
@@ -61,6 +63,8 @@ using AccumulateKivi2 = AccumulateValues<quant::KiviValueCodec<2, 32>>;
 using AccumulateKivi4 = AccumulateValues<quant::KiviValueCodec<4, 32>>;
 using AccumulateKivi2G64 = AccumulateValues<quant::KiviValueCodec<2, 64>>;
 using AccumulateKivi4G128 = AccumulateValues<quant::KiviValueCodec<4, 128>>;
+using AccumulateKivi2G128 = AccumulateValues<quant::KiviValueCodec<2, 128>>;
+using AccumulateKivi4G64 = AccumulateValues<quant::KiviValueCodec<4, 64>>;
 using AccumulateNuq2 = AccumulateValues<quant::KVQuantValueCodec<2>>;
 using AccumulateNuq3 = AccumulateValues<quant::KVQuantValueCodec<3>>;
 using AccumulateNuq4 = AccumulateValues<quant::KVQuantValueCodec<4>>;
@@ -100,12 +104,16 @@ using EncodeKivi2Keys = EncodePlane<quant::KiviKeyCodec<2, 32>>;
 using EncodeKivi4Keys = EncodePlane<quant::KiviKeyCodec<4, 32>>;
 using EncodeKivi2G64Keys = EncodePlane<quant::KiviKeyCodec<2, 64>>;
 using EncodeKivi4G128Keys = EncodePlane<quant::KiviKeyCodec<4, 128>>;
+using EncodeKivi2G128Keys = EncodePlane<quant::KiviKeyCodec<2, 128>>;
+using EncodeKivi4G64Keys = EncodePlane<quant::KiviKeyCodec<4, 64>>;
 using EncodeKivi2TokenKeys = EncodePlane<quant::KiviTokenCodec<2, 32, Plane::kKey>>;
 using EncodeKivi4TokenKeys = EncodePlane<quant::KiviTokenCodec<4, 32, Plane::kKey>>;
 using EncodeKivi2Values = EncodePlane<quant::KiviValueCodec<2, 32>>;
 using EncodeKivi4Values = EncodePlane<quant::KiviValueCodec<4, 32>>;
 using EncodeKivi2G64Values = EncodePlane<quant::KiviValueCodec<2, 64>>;
 using EncodeKivi4G128Values = EncodePlane<quant::KiviValueCodec<4, 128>>;
+using EncodeKivi2G128Values = EncodePlane<quant::KiviValueCodec<2, 128>>;
+using EncodeKivi4G64Values = EncodePlane<quant::KiviValueCodec<4, 64>>;
 
 }  // namespace kvpack::inline v0::kernels::cpu::precompiled
 
@@ -120,7 +128,9 @@ using EncodeKivi4G128Values = EncodePlane<quant::KiviValueCodec<4, 128>>;
   X(precompiled::AccumulateQ4_0) X(precompiled::ScoreKivi2) X(precompiled::ScoreKivi4)    \
   X(precompiled::AccumulateKivi2) X(precompiled::AccumulateKivi4) X(precompiled::ScoreKivi2Token)   \
   X(precompiled::ScoreKivi4Token) X(precompiled::ScoreKivi2G64) X(precompiled::ScoreKivi4G128)             \
-  X(precompiled::AccumulateKivi2G64) X(precompiled::AccumulateKivi4G128) X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
+  X(precompiled::AccumulateKivi2G64) X(precompiled::AccumulateKivi4G128) X(precompiled::ScoreKivi2G128)        \
+  X(precompiled::ScoreKivi4G64) X(precompiled::AccumulateKivi2G128) X(precompiled::AccumulateKivi4G64)        \
+  X(precompiled::ScoreRotatedF32) X(precompiled::ScoreRotatedF16)         \
   X(precompiled::ScoreRotatedBF16) X(precompiled::ScoreRotatedE4M3) X(precompiled::ScoreRotatedE5M2)     \
   X(precompiled::ScoreNuq2) X(precompiled::ScoreNuq3) X(precompiled::ScoreNuq4)                           \
   X(precompiled::ScoreRotatedNuq2) X(precompiled::ScoreRotatedNuq3) X(precompiled::ScoreRotatedNuq4)      \
@@ -137,7 +147,9 @@ using EncodeKivi4G128Values = EncodePlane<quant::KiviValueCodec<4, 128>>;
   X(precompiled::EncodeQ4_0Keys) X(precompiled::EncodeQ4_0Values) X(precompiled::EncodeKivi2Keys)            \
   X(precompiled::EncodeKivi4Keys) X(precompiled::EncodeKivi2G64Keys) X(precompiled::EncodeKivi4G128Keys)      \
   X(precompiled::EncodeKivi2TokenKeys) X(precompiled::EncodeKivi4TokenKeys) X(precompiled::EncodeKivi2Values) \
-  X(precompiled::EncodeKivi4Values) X(precompiled::EncodeKivi2G64Values) X(precompiled::EncodeKivi4G128Values)
+  X(precompiled::EncodeKivi4Values) X(precompiled::EncodeKivi2G64Values) X(precompiled::EncodeKivi4G128Values) \
+  X(precompiled::EncodeKivi2G128Keys) X(precompiled::EncodeKivi4G64Keys) X(precompiled::EncodeKivi2G128Values)  \
+  X(precompiled::EncodeKivi4G64Values)
 
 namespace kvpack::inline v0::kernels::cpu {
 
