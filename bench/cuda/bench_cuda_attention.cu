@@ -7,7 +7,7 @@
 //
 // Pages hold codes encoded on the host by each codec's scalar encoder from random data with
 // outlier channels (256 distinct pages, copied across the whole pool on the device). KVQuant is
-// calibrated on other draws of the same distribution.
+// calibrated as in the CPU benches (bench_codecs.hpp), on draws of a similar distribution.
 
 #include <benchmark/benchmark.h>
 
@@ -15,7 +15,6 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "kvpack/kernels/cuda/device_memory.cuh"
@@ -23,6 +22,8 @@
 #include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
 #include "kvpack/kvpack.hpp"
+
+#include "../bench_codecs.hpp"
 
 namespace {
 
@@ -51,24 +52,10 @@ std::vector<float> random_rows(std::mt19937& rng, std::size_t count, bool keys) 
   return rows;
 }
 
-template <class Quantizer>
-struct IsKVQuant : std::false_type {};
-template <int Bits>
-struct IsKVQuant<quant::KVQuant<Bits>> : std::true_type {};
-
-/// The codec pair under test: KVQuant calibrated on 4096 rows of other draws, the others as constructed.
+/// The codec pair under test, built once: KVQuant calibrated as every CPU bench calibrates it.
 template <class Quantizer>
 const Quantizer& bench_quantizer() {
-  static const Quantizer q = [] {
-    if constexpr (IsKVQuant<Quantizer>::value) {
-      quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, kHeadDim}, {Quantizer::key_codec::kBits, 0.01});
-      std::mt19937 rng(5);
-      calibrator.add(0, random_rows(rng, 4096, true), random_rows(rng, 4096, false));
-      return Quantizer(calibrator.finish(), 0.01);
-    } else {
-      return Quantizer{};
-    }
-  }();
+  static const Quantizer q = bench::make_quantizer<Quantizer>(ModelShape{1, kKvHeads * kGroup, kKvHeads, kHeadDim});
   return q;
 }
 

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpack/config.hpp"
 #include "kvpack/core/half.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
@@ -100,9 +101,9 @@ struct KVQuantValueParams {
 namespace kvquant_detail {
 
 /// Reads a 16-bit window when the code crosses a byte; the planes keep the byte after every
-/// row readable (the next row or the outlier section follows).
+/// row readable (the next row or the outlier section follows). The CUDA decoders call it too.
 template <int Bits>
-unsigned get_code(const std::byte* row, index_t j) noexcept {
+KVPACK_HOST_DEVICE unsigned get_code(const std::byte* row, index_t j) noexcept {
   const std::size_t bit = static_cast<std::size_t>(j) * Bits;
   unsigned window = static_cast<unsigned>(row[bit / 8]);
   if (bit % 8 + Bits > 8) window |= static_cast<unsigned>(row[bit / 8 + 1]) << 8;

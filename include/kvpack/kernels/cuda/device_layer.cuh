@@ -58,6 +58,7 @@ class DeviceLayer {
               row_values.data() + row_values.size());
     // All or nothing: on failure (device pool full, copy error) the pages taken here go back.
     const std::size_t owned_before = owned_.size();
+    const std::size_t tables_before = param_tables_.table_count();
     std::vector<const std::byte*> new_hosts;
     std::vector<PageId> ids;
     try {
@@ -86,6 +87,7 @@ class DeviceLayer {
       owned_.resize(owned_before);
       key_params_.resize(stream_pages_.size());
       value_params_.resize(stream_pages_.size());
+      param_tables_.discard_from(tables_before);
       throw;
     }
     stream_pages_.push_back(std::move(ids));

@@ -4,6 +4,7 @@
 ///        and cross unchanged; KVQuant's point into host tables, whose per-channel key ranges
 ///        are copied to device memory here (element_decode.hpp defines the device forms).
 
+#include <cstddef>
 #include <type_traits>
 #include <vector>
 
@@ -33,6 +34,13 @@ class DeviceParamTables {
       static_assert(std::is_same_v<Device, typename Codec::params_type>);
       return host;
     }
+  }
+
+  /// How many device tables it holds; with discard_from, lets a caller undo a failed step.
+  [[nodiscard]] std::size_t table_count() const noexcept { return tables_.size(); }
+  /// Frees every table uploaded after the first `count` (nothing may still read them).
+  void discard_from(std::size_t count) noexcept {
+    if (count < tables_.size()) tables_.erase(tables_.begin() + static_cast<std::ptrdiff_t>(count), tables_.end());
   }
 
  private:

@@ -305,16 +305,6 @@ inline KVQuantDeviceValueParams to_device_params(const quant::KVQuantValueParams
 
 namespace decode_detail {
 
-/// Code j of a row of Bits-bit codes (quant::kvquant_detail::get_code, callable on the device):
-/// a 16-bit window when the code crosses a byte.
-template <int Bits>
-KVPACK_HOST_DEVICE unsigned nuq_code(const std::byte* row, index_t j) noexcept {
-  const std::size_t bit = static_cast<std::size_t>(j) * Bits;
-  unsigned window = static_cast<unsigned>(row[bit / 8]);
-  if (bit % 8 + Bits > 8) window |= static_cast<unsigned>(row[bit / 8 + 1]) << 8;
-  return (window >> (bit % 8)) & ((1u << Bits) - 1u);
-}
-
 /// Element `index` (t·head_dim + c) of a page from its KVQuant outlier section, if stored there:
 /// a binary search of the ascending indices (`count`, then `u16 index[capacity]`, then `fp16
 /// value[capacity]`). With the same index twice (only a corrupt page), the last one wins, as
@@ -350,7 +340,7 @@ struct ElementDecoder<quant::KVQuantKeyCodec<Bits>> {
     float exact;
     const auto index = static_cast<std::uint32_t>(t * g.head_dim + c);
     if (decode_detail::nuq_outlier(plane + Codec::outliers_offset(g), p.outlier_capacity, index, exact)) return exact;
-    const float level = p.levels[decode_detail::nuq_code<Bits>(plane + Codec::row_bytes(g) * c, t)];
+    const float level = p.levels[quant::kvquant_detail::get_code<Bits>(plane + Codec::row_bytes(g) * c, t)];
     return level * p.half_range[c] + p.offset[c];
   }
 };
@@ -369,7 +359,7 @@ struct ElementDecoder<quant::KVQuantValueCodec<Bits>> {
         decode_detail::load<std::uint16_t>(plane + Codec::offsets_offset(g) + 2 * static_cast<std::size_t>(t)));
     const float half_range = decode_detail::half_to_float(
         decode_detail::load<std::uint16_t>(plane + Codec::ranges_offset(g) + 2 * static_cast<std::size_t>(t)));
-    const float level = p.levels[decode_detail::nuq_code<Bits>(plane + Codec::row_bytes(g) * t, c)];
+    const float level = p.levels[quant::kvquant_detail::get_code<Bits>(plane + Codec::row_bytes(g) * t, c)];
     return level * half_range + offset;
   }
 };
