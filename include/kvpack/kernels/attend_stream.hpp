@@ -169,6 +169,7 @@ void attend_stream(const PageRun& pages, const typename KeyCodec::params_type& k
     run.live = pages.live != nullptr ? pages.live + first : nullptr;
     run.count = std::min(chunk_pages, pages.count - first);
     run.prefetch = pages.count - first - run.count;
+    run.planes_apart = cpu::kValueKernelPrefetches<ValueCodec>;
     const ScoreArgs<typename KeyCodec::params_type> score_args{run,         key_params,        queries,    group,
                                                                ws.scores(), ws.score_stride(), ws.scratch()};
     if (key_rope != nullptr) {

@@ -24,6 +24,10 @@ struct PageRun {
   index_t head_dim = 0;        ///< channels per token
   std::size_t value_offset = 0;  ///< bytes from a payload's start to its V plane
   std::size_t payload_bytes = 0;  ///< bytes per payload (K and V planes), for prefetching
+  /// Whether the value kernel requests the value planes ahead itself, so that the key kernel
+  /// requests only the key planes (cpu::kValueKernelPrefetches); otherwise the key kernel
+  /// requests whole payloads.
+  bool planes_apart = false;
 };
 
 /// Arguments of a key kernel: scores for every slot of `run`.

@@ -113,11 +113,14 @@ KVPACK_ALWAYS_INLINE void score_pages_vnni(const ScoreArgs<quant::NoParams>& arg
   }
 }
 
-/// Four int8 values as one int32, to broadcast to every lane.
-KVPACK_ALWAYS_INLINE __m512i broadcast_int8_quad(const std::int8_t* p) noexcept {
-  std::int32_t quad;
-  std::memcpy(&quad, p, sizeof(quad));
-  return _mm512_set1_epi32(quad);
+/// The 4 bytes at p (four int8 values, or two int16) in every 32-bit lane, broadcast straight
+/// from memory: through a general register (memcpy, then set1) it costs a shuffle-port uop.
+KVPACK_ALWAYS_INLINE __m512i broadcast_dword(const void* p) noexcept {
+  return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
+}
+/// The 8 bytes at p in every 64-bit lane, from memory.
+KVPACK_ALWAYS_INLINE __m512i broadcast_qword(const void* p) noexcept {
+  return _mm512_broadcastq_epi64(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
 }
 
 // GCC 12 surrounds the vpdpwssd/vpdpbusd builtins with a register copy of the accumulator for

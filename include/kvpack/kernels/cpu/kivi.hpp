@@ -286,7 +286,9 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
   // [group], then (VNNI path) the int16 steps [group] and the int16 query [group][head_dim].
   float* bias = qs + static_cast<std::size_t>(args.group) * d;
   for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher(run, i, 1, 1).step();
+    // Spread over the integer score loop (a step per 4 or 8 channels of 32 tokens) where it runs.
+    PagePrefetcher prefetcher(run, i, 1, kKiviVnni<A> ? run.page_size / 32 * d / (Bits == 4 ? 4 : 8) : 1);
+    if constexpr (!kKiviVnni<A>) prefetcher.step();
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
     for (index_t tg = 0; tg < run.page_size / Group; ++tg) {
@@ -307,10 +309,10 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
               float* out = scores + h0 * args.score_stride + tg * Group + 32 * k;
               if constexpr (Bits == 4) {
                 kivi_vnni::score_tokens<kG>(at, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0, out,
-                                            args.score_stride);
+                                            args.score_stride, prefetcher);
               } else {
                 kivi_vnni::score_tokens_2bit<kG>(at, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0,
-                                                 out, args.score_stride);
+                                                 out, args.score_stride, prefetcher);
               }
             });
           }
@@ -466,6 +468,10 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   for (index_t l = 0; l < kWidth; ++l) lane_tokens[l] = static_cast<std::int32_t>(l * groups);
   const auto token_stride = simd::i32<A>::load_aligned(lane_tokens);
   for (index_t i = 0; i < run.count; ++i) {
+    // The value planes ahead (kValueKernelPrefetches), spread over the integer loop (a step per
+    // 4 or 8 tokens of 32 channels) where it runs.
+    PagePrefetcher prefetcher(run, i, 1, kKiviVnni<A> ? d / 32 * page / (Bits == 4 ? 4 : 8) : 1, Plane::kValue);
+    if constexpr (!kKiviVnni<A>) prefetcher.step();
     const std::byte* plane = run.pages[i] + run.value_offset;
     // Scales and minimums are [token][channel group] fp16, contiguous: converted with whole
     // vectors (page_size is a multiple of 16), then gathered a channel group at a time.
@@ -511,9 +517,10 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
             // 4-bit: KiviLanes<4, Group, avx512bw>'s order; 2-bit: lane_pairs_in_order's.
             float* out = s.sums + h0 * sums_stride + (gc * Group + 32 * k) * (sums_stride / d);
             if constexpr (Bits == 4) {
-              kivi_vnni::accumulate_channels<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride);
+              kivi_vnni::accumulate_channels<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride, prefetcher);
             } else {
-              kivi_vnni::accumulate_channels_2bit<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride);
+              kivi_vnni::accumulate_channels_2bit<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride,
+                                                     prefetcher);
             }
           });
         }

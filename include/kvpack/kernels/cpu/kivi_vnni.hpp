@@ -36,6 +36,7 @@
 #include <limits>
 
 #include "kvpack/kernels/cpu/integer_common.hpp"
+#include "kvpack/kernels/cpu/prefetch.hpp"
 
 #if KVPACK_KERNELS_HAVE_VNNI
 
@@ -121,7 +122,8 @@ inline bool fold_query(xsimd::avx512bw, const float* queries, index_t group, ind
 template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                        const std::int16_t* q16, const float* step, const float* bias, float* scores,
-                                       index_t stride, const Operand& operand = {}) noexcept {
+                                       index_t stride, PagePrefetcher& prefetcher,
+                                       const Operand& operand = {}) noexcept {
   // After the dword permute, 128-bit lane L holds bytes 4L..4L+3 of rows 0..3 (4 bytes each);
   // these shuffles widen byte 4L+i of rows (0, 1) — or (2, 3) — into the two words of dword i.
   const __m512i rows01 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1));
@@ -131,6 +133,7 @@ KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t ro
   __m512i sum[kG][2];
   for (auto& head : sum) head[0] = head[1] = _mm512_setzero_si512();
   for (index_t c = 0; c < head_dim; c += 4) {
+    prefetcher.step();
     const __m512i rows = _mm512_permutexvar_epi32(dwords, load_rows(codes + row_bytes * static_cast<std::size_t>(c), row_bytes));
     const __m512i pair01 = _mm512_shuffle_epi8(rows, rows01), pair23 = _mm512_shuffle_epi8(rows, rows23);
     const __m512i even01 = operand.words(_mm512_and_si512(pair01, mask));
@@ -139,9 +142,8 @@ KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t ro
     const __m512i odd23 = operand.words(_mm512_and_si512(_mm512_srli_epi16(pair23, 4), mask));
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
-      std::int32_t pair[2];
-      std::memcpy(pair, q16 + h * head_dim + c, sizeof(pair));
-      const __m512i q01 = _mm512_set1_epi32(pair[0]), q23 = _mm512_set1_epi32(pair[1]);
+      const std::int16_t* q = q16 + h * head_dim + c;
+      const __m512i q01 = broadcast_dword(q), q23 = broadcast_dword(q + 2);
       sum[h][0] = dot_pairs(dot_pairs(sum[h][0], even01, q01), even23, q23);
       sum[h][1] = dot_pairs(dot_pairs(sum[h][1], odd01, q01), odd23, q23);
     }
@@ -187,17 +189,19 @@ inline void quantize_scaled_weights(xsimd::avx512bw, const float* scaled, index_
 template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void accumulate_channels(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
                                               const std::int8_t* w8, const float* step, float* sums,
-                                              index_t head_dim, const Operand& operand = {}) noexcept {
+                                              index_t head_dim, PagePrefetcher& prefetcher,
+                                              const Operand& operand = {}) noexcept {
   __m512i sum[kG][2];
   for (auto& head : sum) head[0] = head[1] = _mm512_setzero_si512();
   for (index_t t = 0; t < page_size; t += 4) {
+    prefetcher.step();
     __m512i even, odd;
     load_quads(codes + row_bytes * static_cast<std::size_t>(t), row_bytes, even, odd);
     even = operand.bytes(even);
     odd = operand.bytes(odd);
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
-      const __m512i quad = broadcast_int8_quad(w8 + static_cast<std::size_t>(h) * page_size + t);
+      const __m512i quad = broadcast_dword(w8 + static_cast<std::size_t>(h) * page_size + t);
       sum[h][0] = dot_quads(sum[h][0], even, quad);
       sum[h][1] = dot_quads(sum[h][1], odd, quad);
     }
@@ -261,7 +265,8 @@ KVPACK_ALWAYS_INLINE void lane_pairs_in_order(const __m512 (&sums)[4], __m512& f
 template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                             const std::int16_t* q16, const float* step, const float* bias,
-                                            float* scores, index_t stride, const Operand& operand = {}) noexcept {
+                                            float* scores, index_t stride, PagePrefetcher& prefetcher,
+                                            const Operand& operand = {}) noexcept {
   // Dword i of 128-bit lane m: channels (0, 1) for i even, (2, 3) for i odd — or (4, 5) and (6, 7)
   // — each byte 2m + i / 2 widened to a word.
   const __m512i pairs0123 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 2, -1, 4, -1, 6, -1, 1, -1, 3, -1, 5, -1, 7, -1));
@@ -270,6 +275,7 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
   __m512i sum[kG][4];
   for (auto& head : sum) head[0] = head[1] = head[2] = head[3] = _mm512_setzero_si512();
   for (index_t c = 0; c < head_dim; c += 8) {
+    prefetcher.step();
     const __m512i bytes = byte_pairs_by_lane(load_eight_rows(codes + row_bytes * static_cast<std::size_t>(c), row_bytes));
     const __m512i low = _mm512_shuffle_epi8(bytes, pairs0123), high = _mm512_shuffle_epi8(bytes, pairs4567);
     const __m512i low_codes[4] = {
@@ -280,9 +286,9 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
         operand.words(two_bit_codes<2>(high, mask)), operand.words(_mm512_srli_epi16(high, 6))};
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
-      std::int64_t quads[2];  // the int16 query of channels c .. c + 3 and c + 4 .. c + 7
-      std::memcpy(quads, q16 + h * head_dim + c, sizeof(quads));
-      const __m512i q_low = _mm512_set1_epi64(quads[0]), q_high = _mm512_set1_epi64(quads[1]);
+      // The int16 query of channels c .. c + 3 and c + 4 .. c + 7.
+      const std::int16_t* q = q16 + h * head_dim + c;
+      const __m512i q_low = broadcast_qword(q), q_high = broadcast_qword(q + 4);
       KVPACK_UNROLL
       for (int j = 0; j < 4; ++j) sum[h][j] = dot_pairs(dot_pairs(sum[h][j], low_codes[j], q_low), high_codes[j], q_high);
     }
@@ -306,13 +312,15 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
 template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
                                                    const std::int8_t* w8, const float* step, float* sums,
-                                                   index_t sums_stride, const Operand& operand = {}) noexcept {
+                                                   index_t sums_stride, PagePrefetcher& prefetcher,
+                                                   const Operand& operand = {}) noexcept {
   // Dword i of 128-bit lane m: byte 2m + i / 2 of tokens 0..3 for i even, 4..7 for i odd.
   const __m512i tokens = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
   const __m512i mask = _mm512_set1_epi8(3);
   __m512i sum[kG][4];
   for (auto& head : sum) head[0] = head[1] = head[2] = head[3] = _mm512_setzero_si512();
   for (index_t t = 0; t < page_size; t += 8) {
+    prefetcher.step();
     const __m512i quads = _mm512_shuffle_epi8(
         byte_pairs_by_lane(load_eight_rows(codes + row_bytes * static_cast<std::size_t>(t), row_bytes)), tokens);
     const __m512i code[4] = {
@@ -320,9 +328,7 @@ KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, st
         operand.bytes(two_bit_codes<2>(quads, mask)), operand.bytes(two_bit_codes<3>(quads, mask))};
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
-      std::int64_t weights;  // tokens t .. t + 3 and t + 4 .. t + 7
-      std::memcpy(&weights, w8 + static_cast<std::size_t>(h) * page_size + t, sizeof(weights));
-      const __m512i w = _mm512_set1_epi64(weights);
+      const __m512i w = broadcast_qword(w8 + static_cast<std::size_t>(h) * page_size + t);  // tokens t .. t + 7
       KVPACK_UNROLL
       for (int j = 0; j < 4; ++j) sum[h][j] = dot_quads(sum[h][j], code[j], w);
     }

@@ -194,7 +194,7 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
         bias[h] -= 128.0f * steps[h] * static_cast<float>(query_sum);
       }
       for (index_t i = 0; i < run.count; ++i) {
-        PagePrefetcher(run, i, 1, 1).step();
+        PagePrefetcher prefetcher(run, i, 1, P / 32 * d / (Bits == 4 ? 4 : 8));  // a step per score-loop pass
         const auto* codes = reinterpret_cast<const std::uint8_t*>(run.pages[i]);
         float* scores = args.scores + i * P;
         for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row
@@ -203,10 +203,10 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
             float* out = scores + h0 * args.score_stride + 32 * k;
             if constexpr (Bits == 4) {
               kivi_vnni::score_tokens<kG>(codes + 16 * k, row_bytes, d, q16 + h0 * d, steps + h0, bias + h0, out,
-                                          args.score_stride, byte_levels);
+                                          args.score_stride, prefetcher, byte_levels);
             } else {
               kivi_vnni::score_tokens_2bit<kG>(codes + 8 * k, row_bytes, d, q16 + h0 * d, steps + h0, bias + h0, out,
-                                               args.score_stride, byte_levels);
+                                               args.score_stride, prefetcher, byte_levels);
             }
           });
         }
@@ -270,6 +270,9 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     return load_levels<Bits, A>(plane + row_bytes * static_cast<std::size_t>(t), c, levels);
   };
   const index_t vector_end = d - d % kWidth;
+  // The value planes ahead (kValueKernelPrefetches): a step per pass of the integer loop (4 or 8
+  // tokens of 32 channels) where it runs, else all at once.
+  index_t prefetch_steps = 1;
 #if KVPACK_KERNELS_HAVE_VNNI
   // The integer path's value sums in its lane order ([group][sums_stride], put in order at the
   // end), per head the steps, the page's largest weight and the int8 weights' sum, and the int8
@@ -284,6 +287,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   const NuqByteLevels byte_levels(levels);
   const bool integer = kIntegerCodes && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
+  if (integer) prefetch_steps = d / 32 * P / (Bits == 4 ? 4 : 8);
   // The outliers' multipliers and targets head-minor (nuq_outliers.hpp): one page's weights
   // [page_size][group] and the call's corrections [head_dim][group].
   float* outlier_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
@@ -291,6 +295,8 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   if constexpr (kKiviVnni<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
 #endif
   for (index_t i = 0; i < run.count; ++i) {
+    PagePrefetcher prefetcher(run, i, 1, prefetch_steps, Plane::kValue);
+    if (prefetch_steps == 1) prefetcher.step();
     const std::byte* plane = run.pages[i] + run.value_offset;
     const float* w = args.weights + i * P;
     const auto* ranges = reinterpret_cast<const std::uint16_t*>(plane + Codec::ranges_offset(g));
@@ -353,10 +359,10 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
             float* out = sums + h0 * sums_stride + 32 * k * (sums_stride / d);
             if constexpr (Bits == 4) {
               kivi_vnni::accumulate_channels<kG>(codes + 16 * k, row_bytes, P, wh, steps + h0, out, sums_stride,
-                                                 byte_levels);
+                                                 prefetcher, byte_levels);
             } else {
               kivi_vnni::accumulate_channels_2bit<kG>(codes + 8 * k, row_bytes, P, wh, steps + h0, out, sums_stride,
-                                                      byte_levels);
+                                                      prefetcher, byte_levels);
             }
           });
         }

@@ -218,8 +218,8 @@ KVPACK_ALWAYS_INLINE void score_q4_0_tile_vnni(const std::byte* plane, std::size
       KVPACK_UNROLL
       for (int h = 0; h < kG; ++h) {
         const std::int8_t* qh = q.values + (h0 + h) * head_dim + 32 * b + 4 * j;
-        const __m512i q_low = broadcast_int8_quad(qh);
-        const __m512i q_high = broadcast_int8_quad(qh + 16);
+        const __m512i q_low = broadcast_dword(qh);
+        const __m512i q_high = broadcast_dword(qh + 16);
         KVPACK_UNROLL
         for (int i = 0; i < kTiles; ++i) {
           sum[h][i] = dot_quads(sum[h][i], low[i], q_low);
@@ -270,7 +270,8 @@ KVPACK_ALWAYS_INLINE void accumulate_q4_0_tile_vnni(const std::byte* plane, inde
     split_nibbles(codes + q4::value_row_offset(blocks, i, b), low, high);
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
-      const __m512i weight = broadcast_int8_quad(w.values + (static_cast<std::size_t>(h0 + h) * blocks + b) * page_size + 4 * i);
+      const __m512i weight =
+          broadcast_dword(w.values + (static_cast<std::size_t>(h0 + h) * blocks + b) * page_size + 4 * i);
       low_sum[h] = dot_quads(low_sum[h], low, weight);
       high_sum[h] = dot_quads(high_sum[h], high, weight);
     }
