@@ -20,8 +20,10 @@ using kvpack::kernels::cpu::PagePrefetcher;
 constexpr std::size_t kLine = 64;
 
 /// Lines requested by a kernel's page loop over `run` (a prefetcher per page, `steps` steps
-/// each), by page index and offset from the payload's start; each page owns `reach` bytes.
-std::map<index_t, std::set<std::size_t>> requested(const PageRun& run, Plane plane, index_t steps, std::size_t reach) {
+/// each, or `taken` steps and then finish()), by page index and offset from the payload's start;
+/// each page owns `reach` bytes.
+std::map<index_t, std::set<std::size_t>> requested(const PageRun& run, Plane plane, index_t steps, std::size_t reach,
+                                                   index_t taken = -1) {
   std::map<index_t, std::set<std::size_t>> lines;
   auto record = [&](const std::byte* line) {
     for (index_t p = 0; p < run.count + run.prefetch; ++p) {
@@ -34,6 +36,11 @@ std::map<index_t, std::set<std::size_t>> requested(const PageRun& run, Plane pla
   };
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher prefetcher(run, i, 1, steps, plane);
+    if (taken >= 0) {
+      for (index_t s = 0; s < taken; ++s) prefetcher.step(record);
+      prefetcher.finish(record);
+      continue;
+    }
     for (index_t s = 0; s < steps + 2; ++s) prefetcher.step(record);  // extra steps are no-ops
   }
   return lines;
@@ -92,5 +99,12 @@ TEST_CASE("PagePrefetcher requests each page ahead once, whole or by plane") {
     check_pages(values, lines_of(kValueOffset, kPayload));
   } else {
     CHECK(values.empty());  // the key loop requested whole payloads
+  }
+
+  // A loop that leaves after a few steps (a kernel's fp32 fallback) finishes with the same lines.
+  for (const index_t taken : {index_t{0}, steps / 2}) {
+    CAPTURE(taken);
+    CHECK(requested(run, Plane::kKey, steps, kPayload + kGap, taken) == keys);
+    CHECK(requested(run, Plane::kValue, steps, kPayload + kGap, taken) == values);
   }
 }

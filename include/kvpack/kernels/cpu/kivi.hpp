@@ -283,7 +283,8 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
   const quant::PageGeometry geometry{run.page_size, d};
   const std::size_t row_bytes = Codec::row_bytes(geometry);
   float* qs = args.scratch;                                     // [group][head_dim]
-  // [group], then (VNNI path) the int16 steps [group] and the int16 query [group][head_dim].
+  // [group], then (VNNI path) the int16 steps [group], the int16 query [group][head_dim] and the
+  // token group's scales and minimums as fp32 [2][head_dim].
   float* bias = qs + static_cast<std::size_t>(args.group) * d;
   for (index_t i = 0; i < run.count; ++i) {
     // Spread over the integer score loop (a step per 4 or 8 channels of 32 tokens) where it runs.
@@ -297,11 +298,12 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
       if constexpr (kKiviVnni<A>) {
         const std::size_t meta = static_cast<std::size_t>(tg) * d * 2;
         auto* q16 = reinterpret_cast<std::int16_t*>(bias + 2 * args.group);  // [group][head_dim]
+        float* converted = reinterpret_cast<float*>(q16 + static_cast<std::size_t>(args.group) * d);
         if (d % 16 == 0 &&  // whole vectors of channels
             kivi_vnni::fold_query(A{}, args.queries, args.group, d,
                                   reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry) + meta),
-                                  reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(geometry) + meta), qs,
-                                  q16, bias + args.group, bias)) {
+                                  reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(geometry) + meta),
+                                  converted, qs, q16, bias + args.group, bias)) {
           for (index_t k = 0; k < Group / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row
             for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
               constexpr int kG = decltype(block)::value;
@@ -318,6 +320,7 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const S
           }
           continue;
         }
+        prefetcher.finish();  // the fp32 path below takes no steps
       }
 #endif
       fold_key_group<Bits, Group, A>(plane, geometry, tg, args.queries, args.group, qs, bias);
@@ -380,11 +383,13 @@ KVPACK_ALWAYS_INLINE simd::f32<A> gather_strided(const float* p, simd::i32<A> la
 struct KiviValueScratch {
   float* sums;       ///< [group][head_dim·(2 for 2-bit VNNI)]: Σ_t (w_t·s_t)·code_tc, in lane order
   float* min_sums;   ///< [group][head_dim / Group][W]: Σ_t w_t·m_t, in W partial sums
-  float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group
+  float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group (the fp32 path)
   float* converted;  ///< [2][page_size][head_dim / Group]: the page's scales, then minimums
-  std::int8_t* scaled_int8;  ///< [group][page_size]: `scaled` as int8 (the VNNI path)
+  // The VNNI path:
+  std::int8_t* scaled_int8;  ///< [group][page_size]: w_t·s_t of one channel group as int8
   float* steps;              ///< [group]: their steps
   float* head_max;           ///< [group]: each head's largest weight on the page
+  float* token_meta;         ///< [2][page_size]: one channel group's scales, then minimums
 };
 
 /// Sums of kG heads over one page for one chunk of one channel group, from the codes at `codes`
@@ -462,7 +467,8 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   s.converted = s.scaled + static_cast<std::size_t>(args.group) * page;
   s.steps = s.converted + 2 * metas;
   s.head_max = s.steps + args.group;
-  s.scaled_int8 = reinterpret_cast<std::int8_t*>(s.head_max + args.group);
+  s.token_meta = s.head_max + args.group;
+  s.scaled_int8 = reinterpret_cast<std::int8_t*>(s.token_meta + 2 * page);
   std::fill(s.sums, s.scaled, 0.0f);
   alignas(64) std::int32_t lane_tokens[kWidth];  // lane l: token l, as an offset into [token][group]
   for (index_t l = 0; l < kWidth; ++l) lane_tokens[l] = static_cast<std::int32_t>(l * groups);
@@ -489,26 +495,15 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
         }
         s.head_max[h] = _mm512_reduce_max_ps(largest);
       }
-    }
-#endif
-    for (index_t gc = 0; gc < groups; ++gc) {
-      batch largest_scale(0.0f);  // scales are ≥ 0
-      for (index_t t = 0; t < page; t += kWidth) {
-        const batch scale = gather_strided<A>(s.converted + t * groups + gc, token_stride);
-        const batch min = gather_strided<A>(s.converted + metas + t * groups + gc, token_stride);
-        largest_scale = xsimd::max(largest_scale, scale);
-        for (index_t h = 0; h < args.group; ++h) {
-          const batch wt = batch::load_unaligned(weights + h * args.weight_stride + t);
-          (wt * scale).store_unaligned(s.scaled + h * page + t);
-          float* min_sum = s.min_sums + (h * groups + gc) * kWidth;
-          xsimd::fma(wt, min, batch::load_unaligned(min_sum)).store_unaligned(min_sum);
+      for (index_t gc = 0; gc < groups; ++gc) {
+        for (index_t t = 0; t < page; t += kWidth) {  // the group's scales and minimums, token by token
+          gather_strided<A>(s.converted + t * groups + gc, token_stride).store_unaligned(s.token_meta + t);
+          gather_strided<A>(s.converted + metas + t * groups + gc, token_stride).store_unaligned(s.token_meta + page + t);
         }
-      }
-      const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
-#if KVPACK_KERNELS_HAVE_VNNI
-      if constexpr (kKiviVnni<A>) {
-        kivi_vnni::quantize_scaled_weights(A{}, s.scaled, args.group, page, s.head_max,
-                                           _mm512_reduce_max_ps(largest_scale), s.scaled_int8, s.steps);
+        kivi_vnni::quantize_group_weights(A{}, weights, args.weight_stride, args.group, page, s.token_meta,
+                                          s.token_meta + page, s.head_max, s.min_sums + gc * kWidth, groups * kWidth,
+                                          s.scaled_int8, s.steps);
+        const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
         for (index_t k = 0; k < Group / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
           for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
             constexpr int kG = decltype(block)::value;
@@ -524,9 +519,22 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
             }
           });
         }
-        continue;
       }
+      continue;
+    }
 #endif
+    for (index_t gc = 0; gc < groups; ++gc) {
+      for (index_t t = 0; t < page; t += kWidth) {
+        const batch scale = gather_strided<A>(s.converted + t * groups + gc, token_stride);
+        const batch min = gather_strided<A>(s.converted + metas + t * groups + gc, token_stride);
+        for (index_t h = 0; h < args.group; ++h) {
+          const batch wt = batch::load_unaligned(weights + h * args.weight_stride + t);
+          (wt * scale).store_unaligned(s.scaled + h * page + t);
+          float* min_sum = s.min_sums + (h * groups + gc) * kWidth;
+          xsimd::fma(wt, min, batch::load_unaligned(min_sum)).store_unaligned(min_sum);
+        }
+      }
+      const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
       for (index_t chunk = 0; chunk < L::kChunks; ++chunk) {
         for_each_head_block<kivi_max_heads<L::kVectors, A>()>(args.group, [&](auto block, index_t h0) {
           accumulate_kivi_chunk<Bits, Group, decltype(block)::value, A>(

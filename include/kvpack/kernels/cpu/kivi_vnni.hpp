@@ -77,44 +77,56 @@ struct RawCodes {
 };
 
 /// The query of each head folded with per-channel scales and minimums (16 channels at a time
-/// from scale(c) and min(c)) and quantized in the same pass: q16[h][c] · step[h] ≈ q_c·s_c, and
-/// bias[h] = Σ_c q_c·m_c. `q16` holds [group][head_dim] int16. False when some q·s overflowed
-/// (a query near fp32's largest): the caller then scores in fp32, which carries the Inf.
+/// from scale(c) and min(c)) and quantized: q16[h][c] · step[h] ≈ q_c·s_c, and bias[h] =
+/// Σ_c q_c·m_c. `folded` holds [group][head_dim] fp32 q·s and `q16` [group][head_dim] int16.
+/// False when some q·s overflowed (a query near fp32's largest): the caller then scores in fp32,
+/// which carries the Inf. Each pass runs over all heads before the next, so that one head's
+/// reductions and division (a chain of ~70 cycles) overlap with other heads' work.
 template <class Scale, class Min>
 KVPACK_ALWAYS_INLINE bool fold_query(const float* queries, index_t group, index_t head_dim, Scale scale, Min min,
                                      float* folded, std::int16_t* q16, float* step, float* bias) noexcept {
   for (index_t h = 0; h < group; ++h) {
     const float* q = queries + h * head_dim;
+    float* qs_h = folded + h * head_dim;
     __m512 dot = _mm512_setzero_ps(), largest = _mm512_setzero_ps();
     for (index_t c = 0; c < head_dim; c += 16) {
       const __m512 qc = _mm512_loadu_ps(q + c);
       const __m512 qs = _mm512_mul_ps(qc, scale(c));
-      _mm512_storeu_ps(folded + c, qs);
+      _mm512_storeu_ps(qs_h + c, qs);
       largest = _mm512_max_ps(largest, _mm512_abs_ps(qs));
       dot = _mm512_fmadd_ps(qc, min(c), dot);
     }
-    const float amax = _mm512_reduce_max_ps(largest);
-    if (!(amax <= std::numeric_limits<float>::max())) return false;
-    step[h] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    step[h] = _mm512_reduce_max_ps(largest);  // the largest |q·s| until the loop below
+    bias[h] = _mm512_reduce_add_ps(dot);
+  }
+  for (index_t h = 0; h < group; ++h) {
+    if (!(step[h] <= std::numeric_limits<float>::max())) return false;
+    step[h] = step[h] > 0.0f ? step[h] / 32767.0f : 1.0f;
+  }
+  for (index_t h = 0; h < group; ++h) {
     const __m512 inverse = _mm512_set1_ps(1.0f / step[h]);
     for (index_t c = 0; c < head_dim; c += 16) {
       // |qs| · (1/step) ≤ 32767 up to rounding, which round-to-nearest and the saturating pack absorb.
-      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(folded + c), inverse));
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(folded + h * head_dim + c), inverse));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + h * head_dim + c), _mm512_cvtsepi32_epi16(qi));
     }
-    bias[h] = _mm512_reduce_add_ps(dot);
   }
   return true;
 }
 
-/// KIVI's fold of one token group (kivi.hpp's fold_key_group): fp16 scales and minimums.
+/// KIVI's fold of one token group (kivi.hpp's fold_key_group): fp16 scales and minimums,
+/// converted once for all heads into `converted` ([2][head_dim]).
 inline bool fold_query(xsimd::avx512bw, const float* queries, index_t group, index_t head_dim,
-                       const std::uint16_t* scales, const std::uint16_t* mins, float* folded, std::int16_t* q16,
-                       float* step, float* bias) noexcept {
+                       const std::uint16_t* scales, const std::uint16_t* mins, float* converted, float* folded,
+                       std::int16_t* q16, float* step, float* bias) noexcept {
   auto f16 = [](const std::uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  for (index_t c = 0; c < head_dim; c += 16) {
+    _mm512_storeu_ps(converted + c, f16(scales + c));
+    _mm512_storeu_ps(converted + head_dim + c, f16(mins + c));
+  }
   return fold_query(
-      queries, group, head_dim, [&](index_t c) { return f16(scales + c); }, [&](index_t c) { return f16(mins + c); },
-      folded, q16, step, bias);
+      queries, group, head_dim, [&](index_t c) { return _mm512_loadu_ps(converted + c); },
+      [&](index_t c) { return _mm512_loadu_ps(converted + head_dim + c); }, folded, q16, step, bias);
 }
 
 /// Scores of kG heads for 32 tokens of one key group from the codes at `codes` (channel c's row
@@ -181,6 +193,37 @@ inline void quantize_scaled_weights(xsimd::avx512bw, const float* scaled, index_
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + t), inverse));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + t), _mm512_cvtsepi32_epi8(q));
     }
+  }
+}
+
+/// KIVI's weights for one channel group of a page, in one pass per head: each head's weights w
+/// (≥ 0, rows `weight_stride` apart) times the group's token scales (`scales`, [page_size],
+/// ≥ 0) as int8, w8[h][t] · step[h] ≈ w[h][t]·scales[t] with step[h] = p_max[h] · s_max / 127
+/// (as quantize_scaled_weights), and Σ_t w·mins[t] added to the head's 16 partial sums at
+/// `min_sums + h·min_stride`. Neither product is stored in fp32.
+inline void quantize_group_weights(xsimd::avx512bw, const float* weights, index_t weight_stride, index_t group,
+                                   index_t page_size, const float* scales, const float* mins, const float* p_max,
+                                   float* min_sums, index_t min_stride, std::int8_t* w8, float* step) noexcept {
+  __m512 largest = _mm512_setzero_ps();
+  for (index_t t = 0; t < page_size; t += 16) largest = _mm512_max_ps(largest, _mm512_loadu_ps(scales + t));
+  const float s_max = _mm512_reduce_max_ps(largest);
+  for (index_t h = 0; h < group; ++h) {
+    const float* w = weights + static_cast<std::size_t>(h) * weight_stride;
+    std::int8_t* out = w8 + static_cast<std::size_t>(h) * page_size;
+    float* min_sum = min_sums + static_cast<std::size_t>(h) * min_stride;
+    step[h] = p_max[h] * s_max / 127.0f;
+    // Below the smallest normal float every product is too: the codes become 0 and so does the step.
+    const bool negligible = !(step[h] >= std::numeric_limits<float>::min());
+    const __m512 inverse = _mm512_set1_ps(negligible ? 0.0f : 1.0f / step[h]);
+    if (negligible) step[h] = 0.0f;
+    __m512 sum = _mm512_loadu_ps(min_sum);
+    for (index_t t = 0; t < page_size; t += 16) {
+      const __m512 wt = _mm512_loadu_ps(w + t);
+      sum = _mm512_fmadd_ps(wt, _mm512_loadu_ps(mins + t), sum);
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(wt, _mm512_loadu_ps(scales + t)), inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + t), _mm512_cvtsepi32_epi8(q));
+    }
+    _mm512_storeu_ps(min_sum, sum);
   }
 }
 

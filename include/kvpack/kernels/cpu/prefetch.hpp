@@ -69,6 +69,13 @@ class PagePrefetcher {
     if (next_ >= page_end_) next_page();
   }
 
+  /// Requests every line not requested yet: for a path that leaves the loop the steps were
+  /// counted for (a kernel's fp32 fallback).
+  template <class Request = RequestToL2>
+  void finish(Request request = {}) noexcept {
+    while (next_ != nullptr) step(request);
+  }
+
  private:
   void start_page() noexcept {
     next_ = pages_[page_] + offset_;
