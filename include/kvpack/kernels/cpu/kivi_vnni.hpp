@@ -81,7 +81,8 @@ struct RawCodes {
 /// Σ_c q_c·m_c. `folded` holds [group][head_dim] fp32 q·s and `q16` [group][head_dim] int16.
 /// False when some q·s overflowed (a query near fp32's largest): the caller then scores in fp32,
 /// which carries the Inf. Each pass runs over all heads before the next, so that one head's
-/// reductions and division (a chain of ~70 cycles) overlap with other heads' work.
+/// reductions and division need not finish before other heads' work starts (with the scales
+/// converted once, a fold measured ~280 → ~260 cycles in isolation; README "KIVI's per-page work").
 template <class Scale, class Min>
 KVPACK_ALWAYS_INLINE bool fold_query(const float* queries, index_t group, index_t head_dim, Scale scale, Min min,
                                      float* folded, std::int16_t* q16, float* step, float* bias) noexcept {
