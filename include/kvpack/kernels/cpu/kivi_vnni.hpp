@@ -32,7 +32,6 @@
 /// out into four vectors. Adjacent lanes are summed at the end (lane_pairs_in_order).
 
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 #include "kvpack/kernels/cpu/integer_common.hpp"
@@ -173,35 +172,12 @@ KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t ro
   }
 }
 
-/// One page's scaled weights w·s of one channel group (`scaled`, [group][page_size], ≥ 0) as
-/// int8 per head: w8[h][t] · step[h] ≈ scaled[h][t], with step[h] = p_max[h] · s_max / 127 from
-/// the head's largest weight and the group's largest scale on the page (a bound on max w·s, so
-/// nothing saturates, found without a reduction per head and group). A step below the smallest
-/// normal float is taken as 0: all its products are below it.
-inline void quantize_scaled_weights(xsimd::avx512bw, const float* scaled, index_t group, index_t page_size,
-                                    const float* p_max, float s_max, std::int8_t* w8, float* step) noexcept {
-  for (index_t h = 0; h < group; ++h) {
-    const float* w = scaled + static_cast<std::size_t>(h) * page_size;
-    std::int8_t* out = w8 + static_cast<std::size_t>(h) * page_size;
-    step[h] = p_max[h] * s_max / 127.0f;
-    if (!(step[h] >= std::numeric_limits<float>::min())) {
-      step[h] = 0.0f;
-      std::memset(out, 0, static_cast<std::size_t>(page_size));
-      continue;
-    }
-    const __m512 inverse = _mm512_set1_ps(1.0f / step[h]);
-    for (index_t t = 0; t < page_size; t += 16) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + t), inverse));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + t), _mm512_cvtsepi32_epi8(q));
-    }
-  }
-}
-
-/// KIVI's weights for one channel group of a page, in one pass per head: each head's weights w
-/// (≥ 0, rows `weight_stride` apart) times the group's token scales (`scales`, [page_size],
-/// ≥ 0) as int8, w8[h][t] · step[h] ≈ w[h][t]·scales[t] with step[h] = p_max[h] · s_max / 127
-/// (as quantize_scaled_weights), and Σ_t w·mins[t] added to the head's 16 partial sums at
-/// `min_sums + h·min_stride`. Neither product is stored in fp32.
+/// One page's weights times per-token scales as int8, in one pass per head: each head's weights
+/// w (≥ 0, rows `weight_stride` apart) times `scales` ([page_size], ≥ 0: KIVI's token scales of
+/// one channel group, KVQuant's token ranges), w8[h][t] · step[h] ≈ w[h][t]·scales[t], with
+/// step[h] = p_max[h] · s_max / 127 from the head's largest weight and the largest scale (a bound
+/// on max w·s, so nothing saturates, found without a reduction per head). Σ_t w·mins[t] is added
+/// to the head's 16 partial sums at `min_sums + h·min_stride`. Neither product is stored in fp32.
 inline void quantize_group_weights(xsimd::avx512bw, const float* weights, index_t weight_stride, index_t group,
                                    index_t page_size, const float* scales, const float* mins, const float* p_max,
                                    float* min_sums, index_t min_stride, std::int8_t* w8, float* step) noexcept {

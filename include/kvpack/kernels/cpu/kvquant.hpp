@@ -258,7 +258,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   const PageRun& run = args.run;
   const index_t d = run.head_dim, P = run.page_size;
   const quant::PageGeometry g{P, d};
-  float* scaled = args.scratch;                  // [group][page_size]: w_t·r_t
+  float* scaled = args.scratch;                  // [group][page_size]: w_t·r_t (integer pages: [group][16] Σ w·z)
   float* range = scaled + args.group * P;        // [page_size]
   float* offset = range + P;                     // [page_size]
   float* bias = offset + P;                      // [group]: Σ_t w_t·z_t over the call
@@ -310,33 +310,15 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       range[t] = simd::f16_to_f32<A>(quant::kvquant_detail::get_u16(plane + Codec::ranges_offset(g) + 2 * t));
       offset[t] = simd::f16_to_f32<A>(quant::kvquant_detail::get_u16(plane + Codec::offsets_offset(g) + 2 * t));
     }
-    for (index_t h = 0; h < args.group; ++h) {
-      const float* wh = w + h * args.weight_stride;
-      batch sum(0.0f);
-      for (index_t t = 0; t < vector_tokens; t += kWidth) {
-        const batch wt = batch::load_unaligned(wh + t);
-        (wt * batch::load_unaligned(range + t)).store_unaligned(scaled + h * P + t);
-        sum = xsimd::fma(wt, batch::load_unaligned(offset + t), sum);
-      }
-      float tail = 0.0f;
-      for (index_t t = vector_tokens; t < P; ++t) {
-        scaled[h * P + t] = wh[t] * range[t];
-        tail += wh[t] * offset[t];
-      }
-      bias[h] += simd::reduce_sum<A>(sum) + tail;
-    }
     bool summed = false;
 #if KVPACK_KERNELS_HAVE_VNNI
     if constexpr (kIntegerCodes) {
       // Ranges are ≥ 0; one that is not finite (or NaN) sends the page to fp32.
-      __m512 largest = _mm512_setzero_ps();
       __mmask16 not_finite = 0;
       for (index_t t = 0; integer && t < P; t += 16) {
-        const __m512 r = _mm512_loadu_ps(range + t);
-        not_finite |= _mm512_cmp_ps_mask(r, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
-        largest = _mm512_max_ps(largest, r);
+        not_finite |= _mm512_cmp_ps_mask(_mm512_loadu_ps(range + t), _mm512_set1_ps(std::numeric_limits<float>::max()),
+                                         _CMP_NLE_UQ);
       }
-      const float range_max = _mm512_reduce_max_ps(largest);
       if (integer && not_finite == 0) {
         for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
           batch largest(0.0f);
@@ -345,11 +327,15 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
           }
           head_max[h] = _mm512_reduce_max_ps(largest);
         }
-        kivi_vnni::quantize_scaled_weights(A{}, scaled, args.group, P, head_max, range_max, w8, steps);
+        // Σ_t w·z into 16 partial sums per head (in `scaled`, unused on this path), then into bias.
+        std::fill(scaled, scaled + 16 * args.group, 0.0f);
+        kivi_vnni::quantize_group_weights(A{}, w, args.weight_stride, args.group, P, range, offset, head_max, scaled,
+                                          16, w8, steps);
         sum_int8_weights(w8, args.group, P, weight_sums);
         for (index_t h = 0; h < args.group; ++h) {
           steps[h] *= byte_levels.step;
-          bias[h] -= 128.0f * steps[h] * static_cast<float>(weight_sums[h]);
+          bias[h] += _mm512_reduce_add_ps(_mm512_loadu_ps(scaled + 16 * h)) -
+                     128.0f * steps[h] * static_cast<float>(weight_sums[h]);
         }
         const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
         for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
@@ -371,6 +357,21 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     }
 #endif
     if (!summed) {
+      for (index_t h = 0; h < args.group; ++h) {
+        const float* wh = w + h * args.weight_stride;
+        batch sum(0.0f);
+        for (index_t t = 0; t < vector_tokens; t += kWidth) {
+          const batch wt = batch::load_unaligned(wh + t);
+          (wt * batch::load_unaligned(range + t)).store_unaligned(scaled + h * P + t);
+          sum = xsimd::fma(wt, batch::load_unaligned(offset + t), sum);
+        }
+        float tail = 0.0f;
+        for (index_t t = vector_tokens; t < P; ++t) {
+          scaled[h * P + t] = wh[t] * range[t];
+          tail += wh[t] * offset[t];
+        }
+        bias[h] += simd::reduce_sum<A>(sum) + tail;
+      }
       accumulate_token_major_vectors<A>(plane, P, d, scaled, P, args.group, 1.0f, args.acc, load);
       for (index_t c = vector_end; c < d; ++c) {
         for (index_t h = 0; h < args.group; ++h) {
