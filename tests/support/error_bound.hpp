@@ -15,14 +15,16 @@
 //   (kInt16Codes); and w·s to int8 per page, head and channel group with the step
 //   (page max of p) · (group's max s) / 127, so each sum moves by at most (page max of p) / 254 ·
 //   M, M = max_c (max_t s_{t,c}) · Σ_t code_tc over the page (page_code_mass; kInt8Codes).
-// - KVQuant's 4- and 2-bit values on AVX-512 (kernels/cpu/kvquant.hpp) take the same int8
+// - KVQuant's values on AVX-512 (kernels/cpu/kvquant.hpp) take the same int8
 //   weights, w·r with the step (page max of p) · (page max of r) / 127, times the codebook's
 //   levels as bytes, each within max|ℓ|/254 of its level. Per channel the page's sum moves by
 //   at most P · step/2 · max|ℓ| + Σ_t w_t·r_t · max|ℓ|/254 ≤ (page max of p) / 254 · M with
 //   M = 2·P·(page max of r), as every codebook lies on [−1, 1] (quant/nuq.hpp).
-// - KVQuant's 4- and 2-bit keys on AVX-512 take q·r (r: the channel's calibrated half-range) as
-//   int16 per head times the levels as bytes: δ = d·max_c |q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254
-//   (kInt16Levels; r_c taken as the channel's largest over every layer and head of the tables).
+// - KVQuant's keys on AVX-512 take q·r (r: the channel's calibrated half-range) as
+//   int16 per head times the levels as bytes: δ = d·max_c |q_c·r_c| / 65534 + Σ_c |q_c·r_c| · e
+//   (kInt16Levels; r_c taken as the channel's largest over every layer and head of the tables),
+//   e = max_k |ℓ_k − byte copy of ℓ_k| ≤ max|ℓ| / 254: 0 up to float rounding for a codebook on
+//   the bytes' grid (stream_fixture.hpp's byte_grid_levels).
 
 #include <algorithm>
 #include <cmath>
@@ -56,13 +58,13 @@ struct IsKiviCodes<quant::KiviValueCodec<Bits, Group>> : std::true_type {
   static constexpr int kBits = Bits;
 };
 
-/// KVQuant's planes whose codes the VNNI path multiplies as byte levels (4- and 2-bit).
+/// KVQuant's planes, whose codes the VNNI path multiplies as byte levels (3-bit ones widened).
 template <class Codec>
 struct IsKVQuantByteLevels : std::false_type {};
 template <int Bits>
-struct IsKVQuantByteLevels<quant::KVQuantKeyCodec<Bits>> : std::bool_constant<Bits == 4 || Bits == 2> {};
+struct IsKVQuantByteLevels<quant::KVQuantKeyCodec<Bits>> : std::true_type {};
 template <int Bits>
-struct IsKVQuantByteLevels<quant::KVQuantValueCodec<Bits>> : std::bool_constant<Bits == 4 || Bits == 2> {};
+struct IsKVQuantByteLevels<quant::KVQuantValueCodec<Bits>> : std::true_type {};
 
 /// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
 /// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
@@ -96,8 +98,9 @@ struct DecodedTokens {
   // KIVI keys: per token, each channel's scale and code (empty for tokens without codes);
   // KVQuant keys: each channel's half-range in key_scales.
   std::vector<std::vector<float>> key_scales, key_codes;
+  double key_level_error = 1.0 / 254.0;  // KVQuant keys: e above, over every layer's codebook
   // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots; KVQuant
-  // values (4- and 2-bit): M = 2·P·(page max of r).
+  // values: M = 2·P·(page max of r).
   std::vector<double> page_code_mass;
 };
 
@@ -119,6 +122,17 @@ void add_key_codes([[maybe_unused]] const Codec& codec, quant::PageGeometry g, c
     scales.assign(static_cast<std::size_t>(g.head_dim), 0.0f);
     const auto d = static_cast<std::size_t>(g.head_dim);
     for (std::size_t i = 0; i < ranges.size(); ++i) scales[i % d] = std::max(scales[i % d], ranges[i]);
+    // The kernel's byte copy: level k as step · round(ℓ_k / step), step = max|ℓ| / 127 in float.
+    tokens.key_level_error = 0.0;
+    for (const quant::nuq::Codebook& codebook : codec.tables->key_codebook) {
+      float largest = 0.0f;
+      for (float level : codebook.levels) largest = std::max(largest, std::fabs(level));
+      const float step = largest / 127.0f;
+      for (float level : codebook.levels) {
+        const double copy = static_cast<double>(step) * static_cast<double>(std::lrint(level / step));
+        tokens.key_level_error = std::max(tokens.key_level_error, std::fabs(level - copy));
+      }
+    }
   }
   tokens.key_scales.push_back(std::move(scales));
   tokens.key_codes.push_back(std::move(codes));
@@ -150,23 +164,21 @@ void add_value_code_mass(const Codec&, quant::PageGeometry g, const std::byte* p
   tokens.page_code_mass.push_back(mass);
 }
 
-inline double attention_error_bound(const DecodedTokens& tokens, const float* q, int head_dim, double scale,
-                                    Operands key_operands, Operands value_operands) {
-  double max_value = 0.0;
-  for (const auto& row : tokens.values) {
-    for (float x : row) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
-  }
-  double max_query = 0.0;
-  for (int c = 0; c < head_dim; ++c) max_query = std::max(max_query, static_cast<double>(std::fabs(q[c])));
-  double delta = 0.0;
-  std::vector<double> scores;
-  for (std::size_t t = 0; t < tokens.keys.size(); ++t) {
-    const auto& key = tokens.keys[t];
-    double s = 0.0, l1 = 0.0, blockwise = 0.0;
+/// How far the kernel may move token t's score q·k̂ (times `scale`) through its key operands
+/// (0 for fp32 ones, whose rounding the callers bound separately).
+inline double score_error_bound(const DecodedTokens& tokens, std::size_t t, const float* q, int head_dim, double scale,
+                                Operands key_operands) {
+  const auto& key = tokens.keys[t];
+  if (key_operands == Operands::kInt16) {
+    double max_query = 0.0, l1 = 0.0;
     for (int c = 0; c < head_dim; ++c) {
-      s += static_cast<double>(q[c]) * key[c];
+      max_query = std::max(max_query, static_cast<double>(std::fabs(q[c])));
       l1 += std::fabs(key[c]);
     }
+    return max_query / 65534.0 * l1 * scale;
+  }
+  if (key_operands == Operands::kInt8) {
+    double blockwise = 0.0;
     for (int b = 0; b < head_dim / 32; ++b) {
       double q_max = 0.0, k_l1 = 0.0;
       for (int c = 32 * b; c < 32 * b + 32; ++c) {
@@ -175,26 +187,41 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
       }
       blockwise += q_max / 254.0 * k_l1;
     }
+    return blockwise * scale;
+  }
+  if (key_operands == Operands::kInt16Codes && t < tokens.key_codes.size() && !tokens.key_codes[t].empty()) {
+    double qs_max = 0.0, codes = 0.0;
+    for (int c = 0; c < head_dim; ++c) {
+      qs_max = std::max(qs_max, std::fabs(static_cast<double>(q[c]) * tokens.key_scales[t][c]));
+      codes += tokens.key_codes[t][c];
+    }
+    return qs_max / 65534.0 * codes * scale * (1.0 + 1e-4);  // fp32 products and steps
+  }
+  if (key_operands == Operands::kInt16Levels && t < tokens.key_scales.size() && !tokens.key_scales[t].empty()) {
+    double qr_max = 0.0, qr_sum = 0.0;
+    for (int c = 0; c < head_dim; ++c) {
+      const double qr = std::fabs(static_cast<double>(q[c]) * tokens.key_scales[t][c]);
+      qr_max = std::max(qr_max, qr);
+      qr_sum += qr;
+    }
+    return (head_dim * qr_max / 65534.0 + qr_sum * tokens.key_level_error) * scale * (1.0 + 1e-4);
+  }
+  return 0.0;
+}
+
+inline double attention_error_bound(const DecodedTokens& tokens, const float* q, int head_dim, double scale,
+                                    Operands key_operands, Operands value_operands) {
+  double max_value = 0.0;
+  for (const auto& row : tokens.values) {
+    for (float x : row) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
+  }
+  double delta = 0.0;
+  std::vector<double> scores;
+  for (std::size_t t = 0; t < tokens.keys.size(); ++t) {
+    double s = 0.0;
+    for (int c = 0; c < head_dim; ++c) s += static_cast<double>(q[c]) * tokens.keys[t][c];
     scores.push_back(s * scale);
-    if (key_operands == Operands::kInt16) delta = std::max(delta, max_query / 65534.0 * l1 * scale);
-    if (key_operands == Operands::kInt8) delta = std::max(delta, blockwise * scale);
-    if (key_operands == Operands::kInt16Codes && t < tokens.key_codes.size() && !tokens.key_codes[t].empty()) {
-      double qs_max = 0.0, codes = 0.0;
-      for (int c = 0; c < head_dim; ++c) {
-        qs_max = std::max(qs_max, std::fabs(static_cast<double>(q[c]) * tokens.key_scales[t][c]));
-        codes += tokens.key_codes[t][c];
-      }
-      delta = std::max(delta, qs_max / 65534.0 * codes * scale * (1.0 + 1e-4));  // fp32 products and steps
-    }
-    if (key_operands == Operands::kInt16Levels && t < tokens.key_scales.size() && !tokens.key_scales[t].empty()) {
-      double qr_max = 0.0, qr_sum = 0.0;
-      for (int c = 0; c < head_dim; ++c) {
-        const double qr = std::fabs(static_cast<double>(q[c]) * tokens.key_scales[t][c]);
-        qr_max = std::max(qr_max, qr);
-        qr_sum += qr;
-      }
-      delta = std::max(delta, (head_dim * qr_max / 65534.0 + qr_sum / 254.0) * scale * (1.0 + 1e-4));
-    }
+    delta = std::max(delta, score_error_bound(tokens, t, q, head_dim, scale, key_operands));
   }
   double bound = 1e-5 * max_value + 1e-6;
   if (delta > 0.0) bound += 2.0 * std::expm1(2.0 * delta) * max_value;

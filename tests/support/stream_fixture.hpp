@@ -24,14 +24,30 @@ template <int Bits>
 struct IsKVQuant<quant::KVQuant<Bits>> : std::true_type {};
 
 /// A quantizer for one head_dim: KVQuant calibrated on random rows with outlier channels (like
-/// the tests' keys, from other seeds), every other one as default-constructed.
+/// the tests' keys, from other seeds), every other one as default-constructed. With
+/// `byte_grid_levels`, KVQuant's codebook levels are moved to the grid of their AVX-512 byte
+/// copies (kernels/cpu/kvquant.hpp's NuqByteLevels), so that copy is exact and the bound on the
+/// integer key path tightens to the query's rounding alone (error_bound.hpp).
 template <class Quantizer>
-Quantizer make_quantizer(index_t head_dim) {
+Quantizer make_quantizer(index_t head_dim, [[maybe_unused]] bool byte_grid_levels = false) {
   if constexpr (IsKVQuant<Quantizer>::value) {
     quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, head_dim},
                                         {Quantizer::key_codec::kBits, 0.01, true, 50, 1});
     calibrator.add(0, test::random_rows(256, head_dim, 901, 4, 10.0f), test::random_rows(256, head_dim, 902));
-    return Quantizer(calibrator.finish(), 0.01);
+    std::shared_ptr<const quant::KVQuantTables> tables = calibrator.finish();
+    if (byte_grid_levels) {
+      auto snapped = std::make_shared<quant::KVQuantTables>(*tables);
+      for (auto* codebooks : {&snapped->key_codebook, &snapped->value_codebook}) {
+        for (quant::nuq::Codebook& codebook : *codebooks) {
+          float largest = 0.0f;
+          for (float level : codebook.levels) largest = std::max(largest, std::fabs(level));
+          const float step = largest / 127.0f;
+          for (float& level : codebook.levels) level = step * static_cast<float>(std::lrint(level / step));
+        }
+      }
+      tables = std::move(snapped);
+    }
+    return Quantizer(std::move(tables), 0.01);
   } else {
     return Quantizer{};
   }
@@ -62,9 +78,9 @@ struct StreamFixture {
   typename ValueCodec::params_type value_params{};
 
   StreamFixture(index_t page_size, index_t head_dim, index_t page_count, index_t tail_count,
-                const std::vector<float>& keys, const std::vector<float>& values) {
+                const std::vector<float>& keys, const std::vector<float>& values, bool byte_grid_levels = false) {
     geometry = {page_size, head_dim};
-    quantizer = make_quantizer<Quantizer>(head_dim);
+    quantizer = make_quantizer<Quantizer>(head_dim, byte_grid_levels);
     value_offset = (quantizer.key.plane_bytes(geometry) + 63) / 64 * 64;
     payload_bytes = (value_offset + quantizer.value.plane_bytes(geometry) + 63) / 64 * 64;
     key_params = quantizer.key.initial_params(0, 0);
@@ -132,10 +148,10 @@ struct StreamFixture {
 };
 
 
-/// The largest bound of support/error_bound.hpp over the group's heads.
+/// Every live slot of the fixture decoded, pages first and the tail last, with what the bounds
+/// of support/error_bound.hpp need; keys rotated in double precision when stored pre-RoPE.
 template <class Fixture>
-double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool vnni_path,
-                   const RopeSpec* rope) {
+test::DecodedTokens decoded_tokens(const Fixture& f, const RopeSpec* rope) {
   const index_t d = f.geometry.head_dim;
   const index_t P = f.geometry.page_size;
   test::DecodedTokens tokens;
@@ -165,6 +181,15 @@ double error_bound(const Fixture& f, const std::vector<float>& queries, index_t 
     tokens.values.emplace_back(&f.tail_values[t * d], &f.tail_values[t * d] + d);
     tokens.page_of.push_back(-1);
   }
+  return tokens;
+}
+
+/// The largest bound of support/error_bound.hpp over the group's heads.
+template <class Fixture>
+double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool vnni_path,
+                   const RopeSpec* rope) {
+  const index_t d = f.geometry.head_dim;
+  const test::DecodedTokens tokens = decoded_tokens(f, rope);
   double worst = 0.0;
   for (index_t h = 0; h < group; ++h) {
     const float* q = &queries[static_cast<std::size_t>(h) * d];

@@ -28,14 +28,18 @@ using test::make_quantizer;
 using test::StreamFixture;
 
 /// With `rope`, keys are stored before RoPE and scored at positions with gaps everywhere, or (with
-/// `in_order`) in order but for one gap.
+/// `in_order`) in order but for one gap. With `check_scores`, every score is also checked against
+/// the exact one (post-RoPE keys only), with KVQuant's codebooks on the grid of their byte copies
+/// (stream_fixture.hpp): the bound on a score is then the query's rounding alone, where the
+/// bound on the output multiplies a score's by the largest value.
 template <class Quantizer>
 void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, index_t tail_count,
                     index_t group, std::vector<float> keys, std::vector<float> values,
-                    std::vector<float> queries, bool dead_slots, const RopeSpec* rope = nullptr, bool in_order = false) {
+                    std::vector<float> queries, bool dead_slots, const RopeSpec* rope = nullptr, bool in_order = false,
+                    bool check_scores = false) {
   using KeyCodec = typename Quantizer::key_codec;
   using ValueCodec = typename Quantizer::value_codec;
-  StreamFixture<Quantizer> f(page_size, head_dim, page_count, tail_count, keys, values);
+  StreamFixture<Quantizer> f(page_size, head_dim, page_count, tail_count, keys, values, check_scores);
   if (dead_slots && page_count > 0) f.kill_some_slots(7);
   f.assign_positions(rope != nullptr ? 12345 : 0, 8, !in_order);
   const kernels::reference::ReferenceRope reference_rope{rope != nullptr ? *rope : RopeSpec{},
@@ -55,9 +59,12 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
     ++isas;
     const auto kernel_set = kernels::KernelSet<KeyCodec, ValueCodec>::template for_arch<Arch>();
     std::vector<float> out(expected.size(), -1.0f);
+    const index_t slots = page_count * page_size + tail_count;
+    std::vector<float> scores(static_cast<std::size_t>(group) * slots);
+    const kernels::ScoreRecord record{scores.data(), slots};
     kernels::attend_stream<KeyCodec, ValueCodec>(f.run(), f.key_params, f.value_params, f.tail(), queries.data(),
                                                  group, out.data(), workspace, kernel_set,
-                                                 rope != nullptr ? &key_rope : nullptr);
+                                                 rope != nullptr ? &key_rope : nullptr, check_scores ? &record : nullptr);
     const bool vnni_path = std::is_same_v<Arch, xsimd::avx512bw>;
     const double bound = error_bound(f, queries, group, vnni_path, rope);
     // INFO, not a section: Catch2 runs a section of a given name once per test case, so the calls
@@ -65,7 +72,7 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
     INFO("isa " << kernels::cpu::isa_name<Arch>() << " P=" << page_size << " d=" << head_dim
                 << " pages=" << page_count << " tail=" << tail_count << " g=" << group
                 << (dead_slots ? " dead slots" : "") << (rope != nullptr ? " pre-RoPE keys" : "")
-                << (in_order ? " in order" : ""));
+                << (in_order ? " in order" : "") << (check_scores ? " scores checked" : ""));
     for (std::size_t i = 0; i < out.size(); ++i) {
       if (!std::isfinite(expected[i])) {
         // Which non-finite value comes out can differ: a weight that underflows to 0 in fp32
@@ -74,6 +81,30 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
       } else {
         INFO("element " << i << " bound " << bound);
         CHECK(std::fabs(out[i] - expected[i]) <= bound);
+      }
+    }
+    if (check_scores) {
+      const test::DecodedTokens tokens = test::decoded_tokens(f, nullptr);
+      for (index_t h = 0; h < group; ++h) {
+        const float* q = &queries[static_cast<std::size_t>(h) * head_dim];
+        std::size_t token = 0;  // live slots only, in slot order
+        for (index_t slot = 0; slot < slots; ++slot) {
+          const index_t i = slot / page_size, t = slot % page_size;
+          if (i < page_count && !f.masks.empty() && !((f.masks[i][t / 64] >> (t % 64)) & 1u)) continue;
+          // fp32 sums of q·r·ℓ and q·z, |z_c| ≤ |k̂_c| + r_c: relative 1e-5 of Σ |q_c|·(|k̂_c| + 2·r_c).
+          const std::vector<float>& ranges = tokens.key_scales[token];
+          double exact = 0.0, magnitude = 0.0;
+          for (index_t c = 0; c < head_dim; ++c) {
+            exact += static_cast<double>(q[c]) * tokens.keys[token][c];
+            magnitude += std::fabs(q[c]) * (std::fabs(tokens.keys[token][c]) + (ranges.empty() ? 0.0 : 2.0 * ranges[c]));
+          }
+          const double bound =
+              test::score_error_bound(tokens, token, q, head_dim, 1.0, test::operands<KeyCodec>(vnni_path)) +
+              1e-5 * magnitude + 1e-6;
+          INFO("score of head " << h << " slot " << slot << " bound " << bound);
+          CHECK(std::fabs(scores[static_cast<std::size_t>(h) * slots + slot] - exact) <= bound);
+          ++token;
+        }
       }
     }
   });
@@ -243,12 +274,15 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KVQuant, post- and pre-R
       check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true, &rope);
       check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true, &rope,
                                true);
-      // The keys' byte levels bound each score only to within Σ_c |q_c·r_c| / 254, which lets
-      // the bound grow past the values' own error. A zero query scores every key 0 exactly, so
-      // the bound is the value path's alone.
+      // The keys' byte levels bound each score only to within Σ_c |q_c·r_c| / 254, and the
+      // values' int8 weights each sum to within P steps: either bound hides errors of the
+      // other path. A zero query scores every key 0 exactly, so the bound is the value path's
+      // alone; isolated keys leave the bound the key path's query rounding alone.
       const std::vector<float> zero_queries(queries.size(), 0.0f);
       if (!planted) {
         check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, zero_queries, true);
+        check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true,
+                                 nullptr, false, true);
       }
     }
   }

@@ -124,6 +124,32 @@ inline void sum_int8_weights(const std::int8_t* w8, index_t group, index_t page_
     sums[h] = _mm512_reduce_add_epi32(sum);
   }
 }
+
+/// 3-bit codes rewritten as 4-bit ones, so that the 4-bit integer kernels take them: `chunks`
+/// runs of 32 codes, 12 bytes each, packed from the low bit up as get_code<3> reads them, become
+/// 16 bytes each with even codes in the low nibbles. Four chunks per pass, each in its own
+/// 128-bit lane. There word j takes the two bytes that hold codes 4j..4j+3 (bits 12j..12j+11),
+/// shifted down by 12j mod 8; two shift-and-select steps then move its four 3-bit fields to
+/// nibbles 0..3. Only AVX-512BW: VBMI's byte permutes would save two steps of eight, and the
+/// avx512 target does not require it.
+inline void widen_3bit_codes(const std::uint8_t* in, std::size_t chunks, std::uint8_t* out) noexcept {
+  const __m512i spread = _mm512_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 0, 9, 10, 11, 0);
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11));
+  const __m512i odd_words_by_4 = _mm512_set1_epi32(0x00040000);
+  const __m512i low_6_bits = _mm512_set1_epi16(0x003F), low_3_bits = _mm512_set1_epi8(0x07);
+  constexpr int kSelect = 0xE4;  // ternary logic "C ? A : B", bit by bit
+  for (std::size_t i = 0; i < chunks; i += 4) {
+    const std::size_t n = std::min<std::size_t>(4, chunks - i);
+    const __m512i bytes = _mm512_maskz_loadu_epi8(~0ULL >> (64 - 12 * n), in + 12 * i);
+    const __m512i words = _mm512_srlv_epi16(
+        _mm512_shuffle_epi8(_mm512_permutexvar_epi32(spread, bytes), pairs), odd_words_by_4);
+    // Fields at bits 0, 3 | 6, 9 to 0, 3 | 8, 11: each byte holds two fields (bits 6, 7 not yet clean).
+    const __m512i halves = _mm512_ternarylogic_epi32(words, _mm512_slli_epi16(words, 2), low_6_bits, kSelect);
+    // Then 0, 3 to 0, 4 in every byte, and the bits between cleared.
+    const __m512i nibbles = _mm512_ternarylogic_epi32(halves, _mm512_slli_epi16(halves, 1), low_3_bits, kSelect);
+    _mm512_mask_storeu_epi8(out + 16 * i, ~0ULL >> (64 - 16 * n), _mm512_and_si512(nibbles, _mm512_set1_epi8(0x77)));
+  }
+}
 #endif
 
 /// Keys, fused with the lookup: with x̂_tc = ℓ(code_tc)·r_c + z_c (per-channel calibrated ranges),
@@ -133,10 +159,11 @@ inline void sum_int8_weights(const std::int8_t* w8, index_t group, index_t page_
 /// token's score. q_c·r_c is formed in fp32: a query within a factor r_c of fp32's largest value
 /// overflows here where the decoded product might not.
 ///
-/// On AVX-512 with VNNI, 4- and 2-bit pages take KIVI's integer key products (kivi_vnni.hpp): q·r
-/// to int16 per head, once per call since the ranges are fixed, times the levels as bytes
-/// (NuqByteLevels). A score then moves by at most (d·max_c|q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254)
-/// · max|ℓ| (tests/support/error_bound.hpp).
+/// On AVX-512 with VNNI, every width takes KIVI's integer key products (kivi_vnni.hpp): q·r to
+/// int16 per head, once per call since the ranges are fixed, times the levels as bytes
+/// (NuqByteLevels); 3-bit pages are first widened to 4-bit codes (widen_3bit_codes). A score
+/// then moves by at most (d·max_c|q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254) · max|ℓ|
+/// (tests/support/error_bound.hpp).
 template <int Bits, class A>
 void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
                 const ScoreArgs<quant::KVQuantKeyParams>& args) noexcept {
@@ -155,6 +182,7 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
   // q16: the queries [head_dim][group] and one page's score corrections [page_size][group].
   float* outlier_queries = bias + 2 * args.group + args.group * d / 2 + 1;
   float* outlier_scores = outlier_queries + args.group * d;
+  auto* widened = reinterpret_cast<std::uint8_t*>(outlier_scores + P * args.group);  // 3-bit pages as 4-bit
   if constexpr (kKiviVnni<A>) to_head_minor(args.queries, d, args.group, d, outlier_queries);
 #endif
   auto add_outliers_and_mask = [&](index_t i, float* scores) KVPACK_ALWAYS_INLINE_LAMBDA {
@@ -178,7 +206,7 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
     if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
   };
 #if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (kKiviVnni<A> && (Bits == 4 || Bits == 2)) {
+  if constexpr (kKiviVnni<A>) {
     float* steps = bias + args.group;                                 // [group]
     auto* q16 = reinterpret_cast<std::int16_t*>(steps + args.group);  // [group][head_dim]
     const NuqByteLevels byte_levels(levels);
@@ -194,19 +222,25 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
         bias[h] -= 128.0f * steps[h] * static_cast<float>(query_sum);
       }
       for (index_t i = 0; i < run.count; ++i) {
-        PagePrefetcher prefetcher(run, i, 1, P / 32 * d / (Bits == 4 ? 4 : 8));  // a step per score-loop pass
+        PagePrefetcher prefetcher(run, i, 1, P / 32 * d / (Bits == 2 ? 8 : 4));  // a step per score-loop pass
         const auto* codes = reinterpret_cast<const std::uint8_t*>(run.pages[i]);
+        std::size_t code_row_bytes = row_bytes;
+        if constexpr (Bits == 3) {
+          widen_3bit_codes(codes, static_cast<std::size_t>(d) * (P / 32), widened);
+          codes = widened;
+          code_row_bytes = P / 2;
+        }
         float* scores = args.scores + i * P;
-        for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row
+        for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row (widened: 16)
           for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
             constexpr int kG = decltype(block)::value;
             float* out = scores + h0 * args.score_stride + 32 * k;
-            if constexpr (Bits == 4) {
-              kivi_vnni::score_tokens<kG>(codes + 16 * k, row_bytes, d, q16 + h0 * d, steps + h0, bias + h0, out,
-                                          args.score_stride, prefetcher, byte_levels);
+            if constexpr (Bits != 2) {
+              kivi_vnni::score_tokens<kG>(codes + 16 * k, code_row_bytes, d, q16 + h0 * d, steps + h0, bias + h0,
+                                          out, args.score_stride, prefetcher, byte_levels);
             } else {
-              kivi_vnni::score_tokens_2bit<kG>(codes + 8 * k, row_bytes, d, q16 + h0 * d, steps + h0, bias + h0, out,
-                                               args.score_stride, prefetcher, byte_levels);
+              kivi_vnni::score_tokens_2bit<kG>(codes + 8 * k, code_row_bytes, d, q16 + h0 * d, steps + h0, bias + h0,
+                                               out, args.score_stride, prefetcher, byte_levels);
             }
           });
         }
@@ -244,11 +278,11 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
 /// tokens' ranges once, the second sum is one number per head added once per call, and an
 /// outlier adds w_t·(x − x̂_tc) to its channel.
 ///
-/// On AVX-512 with VNNI, 4- and 2-bit pages take KIVI's integer products (kivi_vnni.hpp): the
-/// scaled weights w·r to int8 per head and page (step: the head's largest weight on the page times
-/// the page's largest range, / 127), the levels to bytes (NuqByteLevels). Per page and channel,
-/// the sum then moves by at most (page max of w) / 254 · 2·P·(page max of r)·max|ℓ|
-/// (tests/support/error_bound.hpp). 3-bit codes straddle bytes and stay on the fp32 path.
+/// On AVX-512 with VNNI, every width takes KIVI's integer products (kivi_vnni.hpp; 3-bit pages
+/// widened to 4-bit codes first): the scaled weights w·r to int8 per head and page (step: the
+/// head's largest weight on the page times the page's largest range, / 127), the levels to bytes
+/// (NuqByteLevels). Per page and channel, the sum then moves by at most
+/// (page max of w) / 254 · 2·P·(page max of r)·max|ℓ| (tests/support/error_bound.hpp).
 template <int Bits, class A>
 void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
                        const AccumulateArgs<quant::KVQuantValueParams>& args) noexcept {
@@ -277,8 +311,9 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   // The integer path's value sums in its lane order ([group][sums_stride], put in order at the
   // end), per head the steps, the page's largest weight and the int8 weights' sum, and the int8
   // weights [group][page_size].
-  constexpr bool kIntegerCodes = kKiviVnni<A> && (Bits == 4 || Bits == 2);
-  const index_t sums_stride = kKiviSplitValueLanes<Bits, A> ? 2 * d : d;
+  constexpr bool kIntegerCodes = kKiviVnni<A>;
+  constexpr int kCodeBits = Bits == 3 ? 4 : Bits;  // the layout the integer kernels read
+  const index_t sums_stride = kKiviSplitValueLanes<kCodeBits, A> ? 2 * d : d;
   float* sums = bias + args.group;
   float* steps = sums + args.group * sums_stride;
   float* head_max = steps + args.group;
@@ -287,11 +322,12 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   const NuqByteLevels byte_levels(levels);
   const bool integer = kIntegerCodes && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
-  if (integer) prefetch_steps = d / 32 * P / (Bits == 4 ? 4 : 8);
+  if (integer) prefetch_steps = d / 32 * P / (kCodeBits == 4 ? 4 : 8);
   // The outliers' multipliers and targets head-minor (nuq_outliers.hpp): one page's weights
   // [page_size][group] and the call's corrections [head_dim][group].
   float* outlier_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
   float* outlier_sums = outlier_weights + P * args.group;
+  auto* widened = reinterpret_cast<std::uint8_t*>(outlier_sums + d * args.group);  // 3-bit pages as 4-bit
   if constexpr (kKiviVnni<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
 #endif
   for (index_t i = 0; i < run.count; ++i) {
@@ -338,17 +374,23 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
                      128.0f * steps[h] * static_cast<float>(weight_sums[h]);
         }
         const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
-        for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
+        std::size_t code_row_bytes = row_bytes;
+        if constexpr (Bits == 3) {
+          widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
+          codes = widened;
+          code_row_bytes = d / 2;
+        }
+        for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row (widened: 16)
           for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
             constexpr int kG = decltype(block)::value;
             const std::int8_t* wh = w8 + static_cast<std::size_t>(h0) * P;
             float* out = sums + h0 * sums_stride + 32 * k * (sums_stride / d);
-            if constexpr (Bits == 4) {
-              kivi_vnni::accumulate_channels<kG>(codes + 16 * k, row_bytes, P, wh, steps + h0, out, sums_stride,
-                                                 prefetcher, byte_levels);
+            if constexpr (Bits != 2) {
+              kivi_vnni::accumulate_channels<kG>(codes + 16 * k, code_row_bytes, P, wh, steps + h0, out,
+                                                 sums_stride, prefetcher, byte_levels);
             } else {
-              kivi_vnni::accumulate_channels_2bit<kG>(codes + 8 * k, row_bytes, P, wh, steps + h0, out, sums_stride,
-                                                      prefetcher, byte_levels);
+              kivi_vnni::accumulate_channels_2bit<kG>(codes + 8 * k, code_row_bytes, P, wh, steps + h0, out,
+                                                      sums_stride, prefetcher, byte_levels);
             }
           });
         }
@@ -403,7 +445,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   if constexpr (kIntegerCodes) {
     if (integer) {
       for (index_t h = 0; h < args.group; ++h) {
-        add_value_sums_in_order<Bits, 32, A>(sums + h * sums_stride, d, args.acc + h * d);
+        add_value_sums_in_order<kCodeBits, 32, A>(sums + h * sums_stride, d, args.acc + h * d);
       }
     }
   }
