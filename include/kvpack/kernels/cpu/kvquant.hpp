@@ -311,7 +311,6 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   // The integer path's value sums in its lane order ([group][sums_stride], put in order at the
   // end), per head the steps, the page's largest weight and the int8 weights' sum, and the int8
   // weights [group][page_size].
-  constexpr bool kIntegerCodes = kKiviVnni<A>;
   constexpr int kCodeBits = Bits == 3 ? 4 : Bits;  // the layout the integer kernels read
   const index_t sums_stride = kKiviSplitValueLanes<kCodeBits, A> ? 2 * d : d;
   float* sums = bias + args.group;
@@ -320,7 +319,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   auto* weight_sums = reinterpret_cast<std::int32_t*>(head_max + args.group);
   auto* w8 = reinterpret_cast<std::int8_t*>(weight_sums + args.group);
   const NuqByteLevels byte_levels(levels);
-  const bool integer = kIntegerCodes && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
+  const bool integer = kKiviVnni<A> && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
   if (integer) prefetch_steps = d / 32 * P / (kCodeBits == 4 ? 4 : 8);
   // The outliers' multipliers and targets head-minor (nuq_outliers.hpp): one page's weights
@@ -348,7 +347,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     }
     bool summed = false;
 #if KVPACK_KERNELS_HAVE_VNNI
-    if constexpr (kIntegerCodes) {
+    if constexpr (kKiviVnni<A>) {
       // Ranges are ≥ 0; one that is not finite (or NaN) sends the page to fp32.
       __mmask16 not_finite = 0;
       for (index_t t = 0; integer && t < P; t += 16) {
@@ -442,7 +441,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     }
   }
 #if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (kIntegerCodes) {
+  if constexpr (kKiviVnni<A>) {
     if (integer) {
       for (index_t h = 0; h < args.group; ++h) {
         add_value_sums_in_order<kCodeBits, 32, A>(sums + h * sums_stride, d, args.acc + h * d);
