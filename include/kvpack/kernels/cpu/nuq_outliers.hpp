@@ -77,12 +77,15 @@ KVPACK_ALWAYS_INLINE void add_to_heads(const float* multiplier, float correction
   }
 }
 
-/// target[column_at[j]] += multiplier[row_at[j]] · correction[j] for j < n, over a group of
-/// exactly kG heads (offsets already scaled by the group).
+/// target[column_at[j] + h] += multiplier[row_at[j] + h] · correction[j] for j < n and the kG
+/// heads from h0 (offsets already scaled by the group).
 template <int kG>
 KVPACK_ALWAYS_INLINE void add_outliers_to_heads(index_t n, const std::int32_t* row_at, const std::int32_t* column_at,
-                                                const float* correction, const NuqOutlierTarget& to) noexcept {
-  for (index_t j = 0; j < n; ++j) add_to_heads<kG>(to.multiplier + row_at[j], correction[j], to.target + column_at[j]);
+                                                const float* correction, const NuqOutlierTarget& to,
+                                                index_t h0) noexcept {
+  for (index_t j = 0; j < n; ++j) {
+    add_to_heads<kG>(to.multiplier + row_at[j] + h0, correction[j], to.target + column_at[j] + h0);
+  }
 }
 
 /// dst[t·group + h] = src[h·src_stride + t] for t < count: the page's weights or the call's
@@ -216,20 +219,11 @@ KVPACK_ALWAYS_INLINE void add_nuq_outlier_corrections(const std::byte* section, 
     _mm512_store_ps(correction, _mm512_sub_ps(exact, decoded));
     _mm512_store_si512(row_at, times_group(row));
     _mm512_store_si512(column_at, times_group(column));
-    // The common GQA groups get a loop of their own: choosing head blocks per outlier (the
-    // general loop) took three times the instructions of the multiply-add itself.
-    if (to.group == 4) {
-      add_outliers_to_heads<4>(n, row_at, column_at, correction, to);
-    } else if (to.group == 8) {
-      add_outliers_to_heads<8>(n, row_at, column_at, correction, to);
-    } else {
-      for (index_t j = 0; j < n; ++j) {
-        for_each_head_block<8>(to.group, [&](auto block, index_t h0) {
-          add_to_heads<decltype(block)::value>(to.multiplier + row_at[j] + h0, correction[j],
-                                               to.target + column_at[j] + h0);
-        });
-      }
-    }
+    // Head blocks outside the loop over outliers: chosen per outlier, they took three times the
+    // instructions of the multiply-add itself.
+    for_each_head_block<8>(to.group, [&](auto block, index_t h0) {
+      add_outliers_to_heads<decltype(block)::value>(n, row_at, column_at, correction, to, h0);
+    });
   }
 }
 #endif
