@@ -196,7 +196,15 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
     auto keys = test::random_rows(rows, c.head_dim, 61, 4, 10.0f);  // outlier channels
     auto values = test::random_rows(rows, c.head_dim, 62);
     for (int ch = 0; ch < c.head_dim; ++ch) keys[3 * c.head_dim + ch] = 0.0f;  // a zero row
-    for (std::size_t t = 0; t < rows; ++t) values[t * c.head_dim + 1] = 0.5f;  // a constant channel
+    for (std::size_t t = 0; t < rows; ++t) {
+      // Neighbouring 32-channel groups with ranges 8× apart and their own centres, so a scale
+      // or minimum taken from another group shows; then a constant channel.
+      for (index_t ch = 0; ch < c.head_dim; ++ch) {
+        const index_t g = ch / 32;
+        values[t * c.head_dim + ch] = values[t * c.head_dim + ch] * (g % 2 == 1 ? 8.0f : 1.0f) + 0.5f * g;
+      }
+      values[t * c.head_dim + 1] = 0.5f;
+    }
     auto queries = test::random_rows(c.group, c.head_dim, 63, 4, 3.0f);
     for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);

@@ -362,21 +362,49 @@ void score_keys(A arch, std::type_identity<quant::KiviTokenCodec<Bits, Group, Pl
   }
 }
 
-/// p[0], p[stride], ..., p[(W - 1)·stride] (`lanes` holds l·stride in lane l): the hardware
-/// gather where there is one (xsimd 8.1's gather for AVX-512 is element by element).
+/// A value page's fp16 scales and minimums, [rows][groups] with rows = 2·page_size (every token's
+/// scales, then every token's minimums), as fp32 [groups][rows]: a channel group's values for a
+/// run of tokens become one contiguous load. `staging` takes rows·groups floats on the paths
+/// that convert first and transpose after.
 template <class A>
-KVPACK_ALWAYS_INLINE simd::f32<A> gather_strided(const float* p, simd::i32<A> lanes) noexcept {
+KVPACK_ALWAYS_INLINE void value_metadata_by_group(const std::uint16_t* metadata, index_t rows, index_t groups,
+                                                  float* staging, float* by_group) noexcept {
+  constexpr std::size_t kWidth = simd::f32<A>::size;
+  if (groups == 1) {  // [rows][1] is [1][rows]
+    for (index_t r = 0; r < rows; r += kWidth) simd::load_f16<A>(metadata + r).store_unaligned(by_group + r);
+    return;
+  }
 #if XSIMD_WITH_AVX512BW
-  if constexpr (std::is_same_v<A, xsimd::avx512bw>) return _mm512_i32gather_ps(lanes, p, sizeof(float));
+  if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
+    if (groups == 2 || groups == 4) {
+      // Sixteen rows are one or two registers of halves, and one word permute takes out two
+      // groups' sixteen values: vgatherdps per group and 16 rows cost 20 % of KIVI-2's value
+      // kernel on Zen 5, most likely by loading from the conversion's stores still in flight.
+      __m512i pick[2];
+      for (index_t pair = 0; pair < groups / 2; ++pair) {
+        alignas(64) std::uint16_t lanes[32];
+        for (index_t l = 0; l < 32; ++l) lanes[l] = static_cast<std::uint16_t>((l % 16) * groups + 2 * pair + l / 16);
+        pick[pair] = _mm512_load_si512(lanes);
+      }
+      for (index_t r = 0; r < rows; r += 16) {
+        const std::uint16_t* at = metadata + r * groups;
+        const __m512i low = _mm512_loadu_si512(at);
+        const __m512i high = groups == 4 ? _mm512_loadu_si512(at + 32) : low;
+        for (index_t pair = 0; pair < groups / 2; ++pair) {
+          const __m512i two = _mm512_permutex2var_epi16(low, pick[pair], high);
+          _mm512_storeu_ps(by_group + 2 * pair * rows + r, _mm512_cvtph_ps(_mm512_castsi512_si256(two)));
+          _mm512_storeu_ps(by_group + (2 * pair + 1) * rows + r, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(two, 1)));
+        }
+      }
+      return;
+    }
+  }
 #endif
-#if XSIMD_WITH_AVX2
-  if constexpr (std::is_same_v<A, xsimd::fma3<xsimd::avx2>>) return _mm256_i32gather_ps(p, lanes, sizeof(float));
-#endif
-  alignas(64) std::int32_t offsets[simd::f32<A>::size];
-  alignas(64) float values[simd::f32<A>::size];
-  lanes.store_aligned(offsets);
-  for (std::size_t l = 0; l < simd::f32<A>::size; ++l) values[l] = p[offsets[l]];
-  return simd::f32<A>::load_aligned(values);
+  const std::size_t count = static_cast<std::size_t>(rows) * groups;  // rows is a multiple of 32
+  for (std::size_t k = 0; k < count; k += kWidth) simd::load_f16<A>(metadata + k).store_unaligned(staging + k);
+  for (index_t g = 0; g < groups; ++g) {
+    for (index_t r = 0; r < rows; ++r) by_group[g * rows + r] = staging[r * groups + g];
+  }
 }
 
 /// Where the fused value kernel keeps its state in the call's scratch.
@@ -384,12 +412,12 @@ struct KiviValueScratch {
   float* sums;       ///< [group][head_dim·(2 for 2-bit VNNI)]: Σ_t (w_t·s_t)·code_tc, in lane order
   float* min_sums;   ///< [group][head_dim / Group][W]: Σ_t w_t·m_t, in W partial sums
   float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group (the fp32 path)
-  float* converted;  ///< [2][page_size][head_dim / Group]: the page's scales, then minimums
+  float* staging;    ///< [2·page_size][head_dim / Group]: the page's scales, then minimums
+  float* by_group;   ///< [head_dim / Group][2·page_size]: the same by channel group (value_metadata_by_group)
   // The VNNI path:
   std::int8_t* scaled_int8;  ///< [group][page_size]: w_t·s_t of one channel group as int8
   float* steps;              ///< [group]: their steps
   float* head_max;           ///< [group]: each head's largest weight on the page
-  float* token_meta;         ///< [2][page_size]: one channel group's scales, then minimums
 };
 
 /// Sums of kG heads over one page for one chunk of one channel group, from the codes at `codes`
@@ -464,27 +492,22 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   s.sums = args.scratch;
   s.min_sums = s.sums + static_cast<std::size_t>(args.group) * sums_stride;
   s.scaled = s.min_sums + static_cast<std::size_t>(args.group) * groups * kWidth;
-  s.converted = s.scaled + static_cast<std::size_t>(args.group) * page;
-  s.steps = s.converted + 2 * metas;
+  s.staging = s.scaled + static_cast<std::size_t>(args.group) * page;
+  s.by_group = s.staging + 2 * metas;
+  s.steps = s.by_group + 2 * metas;
   s.head_max = s.steps + args.group;
-  s.token_meta = s.head_max + args.group;
-  s.scaled_int8 = reinterpret_cast<std::int8_t*>(s.token_meta + 2 * page);
+  s.scaled_int8 = reinterpret_cast<std::int8_t*>(s.head_max + args.group);
   std::fill(s.sums, s.scaled, 0.0f);
-  alignas(64) std::int32_t lane_tokens[kWidth];  // lane l: token l, as an offset into [token][group]
-  for (index_t l = 0; l < kWidth; ++l) lane_tokens[l] = static_cast<std::int32_t>(l * groups);
-  const auto token_stride = simd::i32<A>::load_aligned(lane_tokens);
   for (index_t i = 0; i < run.count; ++i) {
     // The value planes ahead (kValueKernelPrefetches), spread over the integer loop (a step per
     // 4 or 8 tokens of 32 channels) where it runs.
     PagePrefetcher prefetcher(run, i, 1, kKiviVnni<A> ? d / 32 * page / (Bits == 4 ? 4 : 8) : 1, Plane::kValue);
     if constexpr (!kKiviVnni<A>) prefetcher.step();
     const std::byte* plane = run.pages[i] + run.value_offset;
-    // Scales and minimums are [token][channel group] fp16, contiguous: converted with whole
-    // vectors (page_size is a multiple of 16), then gathered a channel group at a time.
+    // Scales and minimums are [token][channel group] fp16, contiguous; the products take them a
+    // channel group at a time.
     const auto* metadata = reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry));
-    for (std::size_t k = 0; k < 2 * metas; k += kWidth) {
-      simd::load_f16<A>(metadata + k).store_unaligned(s.converted + k);
-    }
+    value_metadata_by_group<A>(metadata, 2 * page, groups, s.staging, s.by_group);
     const float* weights = args.weights + i * page;
 #if KVPACK_KERNELS_HAVE_VNNI
     if constexpr (kKiviVnni<A>) {
@@ -496,12 +519,9 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
         s.head_max[h] = _mm512_reduce_max_ps(largest);
       }
       for (index_t gc = 0; gc < groups; ++gc) {
-        for (index_t t = 0; t < page; t += kWidth) {  // the group's scales and minimums, token by token
-          gather_strided<A>(s.converted + t * groups + gc, token_stride).store_unaligned(s.token_meta + t);
-          gather_strided<A>(s.converted + metas + t * groups + gc, token_stride).store_unaligned(s.token_meta + page + t);
-        }
-        kivi_vnni::quantize_group_weights(A{}, weights, args.weight_stride, args.group, page, s.token_meta,
-                                          s.token_meta + page, s.head_max, s.min_sums + gc * kWidth, groups * kWidth,
+        const float* group_meta = s.by_group + 2 * gc * page;  // scales, then minimums
+        kivi_vnni::quantize_group_weights(A{}, weights, args.weight_stride, args.group, page, group_meta,
+                                          group_meta + page, s.head_max, s.min_sums + gc * kWidth, groups * kWidth,
                                           s.scaled_int8, s.steps);
         const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
         for (index_t k = 0; k < Group / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
@@ -525,8 +545,8 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
 #endif
     for (index_t gc = 0; gc < groups; ++gc) {
       for (index_t t = 0; t < page; t += kWidth) {
-        const batch scale = gather_strided<A>(s.converted + t * groups + gc, token_stride);
-        const batch min = gather_strided<A>(s.converted + metas + t * groups + gc, token_stride);
+        const batch scale = batch::load_unaligned(s.by_group + 2 * gc * page + t);
+        const batch min = batch::load_unaligned(s.by_group + (2 * gc + 1) * page + t);
         for (index_t h = 0; h < args.group; ++h) {
           const batch wt = batch::load_unaligned(weights + h * args.weight_stride + t);
           (wt * scale).store_unaligned(s.scaled + h * page + t);
