@@ -466,6 +466,22 @@ KVPACK_ALWAYS_INLINE void add_value_sums_in_order(const float* sums, index_t hea
   }
 #endif
   using L = KiviLanes<Bits, Group, A>;
+#if XSIMD_WITH_AVX512BW
+  if constexpr (std::is_same_v<A, xsimd::avx512bw> && L::kChunkElements == 32 && L::element(0, 1) == 2 &&
+                L::element(1, 0) == 1) {
+    // Chunks of 32 with the even elements in the first vector and the odd ones in the second (4-bit
+    // codes): one interleave per 16 elements. The scalar loop below took ~8 % of the value kernel.
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (index_t c = 0; c < head_dim; c += 32) {
+      const __m512 even = _mm512_loadu_ps(sums + c), odd = _mm512_loadu_ps(sums + c + 16);
+      _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), _mm512_permutex2var_ps(even, first, odd)));
+      _mm512_storeu_ps(acc + c + 16,
+                       _mm512_add_ps(_mm512_loadu_ps(acc + c + 16), _mm512_permutex2var_ps(even, second, odd)));
+    }
+    return;
+  }
+#endif
   for (index_t chunk = 0; chunk < head_dim / L::kChunkElements; ++chunk) {
     const float* in = sums + chunk * L::kChunkElements;
     float* out = acc + chunk * L::kChunkElements;
@@ -568,8 +584,11 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   for (index_t h = 0; h < args.group; ++h) {
     add_value_sums_in_order<Bits, Group, A>(s.sums + h * sums_stride, d, args.acc + h * d);
     for (index_t gc = 0; gc < groups; ++gc) {
-      const float min_sum = simd::reduce_sum<A>(batch::load_unaligned(s.min_sums + (h * groups + gc) * kWidth));
-      for (index_t c = gc * Group; c < (gc + 1) * Group; ++c) args.acc[h * d + c] += min_sum;
+      const batch min_sum(simd::reduce_sum<A>(batch::load_unaligned(s.min_sums + (h * groups + gc) * kWidth)));
+      for (index_t c = gc * Group; c < (gc + 1) * Group; c += kWidth) {  // Group is a multiple of 32
+        float* out = args.acc + h * d + c;
+        (batch::load_unaligned(out) + min_sum).store_unaligned(out);
+      }
     }
   }
 }
