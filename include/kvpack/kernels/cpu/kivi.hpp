@@ -380,12 +380,13 @@ KVPACK_ALWAYS_INLINE void value_metadata_by_group(const std::uint16_t* metadata,
       // Sixteen rows are one or two registers of halves, and one word permute takes out two
       // groups' sixteen values: vgatherdps per group and 16 rows cost 20 % of KIVI-2's value
       // kernel on Zen 5, most likely by loading from the conversion's stores still in flight.
-      __m512i pick[2];
-      for (index_t pair = 0; pair < groups / 2; ++pair) {
-        alignas(64) std::uint16_t lanes[32];
-        for (index_t l = 0; l < 32; ++l) lanes[l] = static_cast<std::uint16_t>((l % 16) * groups + 2 * pair + l / 16);
-        pick[pair] = _mm512_load_si512(lanes);
-      }
+      // Word l of pick[pair]: row l % 16, group 2·pair + l / 16.
+      const __m512i row = _mm512_set_epi16(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,  //
+                                           15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      const __m512i first_of_row = _mm512_mullo_epi16(row, _mm512_set1_epi16(static_cast<short>(groups)));
+      const __m512i upper_half = _mm512_maskz_set1_epi16(0xFFFF0000u, 1);
+      const __m512i pick[2] = {_mm512_add_epi16(first_of_row, upper_half),
+                               _mm512_add_epi16(first_of_row, _mm512_add_epi16(upper_half, _mm512_set1_epi16(2)))};
       for (index_t r = 0; r < rows; r += 16) {
         const std::uint16_t* at = metadata + r * groups;
         const __m512i low = _mm512_loadu_si512(at);
