@@ -365,8 +365,8 @@ void score_keys(A arch, std::type_identity<quant::KiviTokenCodec<Bits, Group, Pl
 /// A value page's fp16 scales and minimums, [rows][groups] with rows = 2·page_size (every token's
 /// scales, then every token's minimums), as fp32 [groups][rows]: a channel group's values for a
 /// run of tokens become one contiguous load. AVX-512 and AVX2 transpose groups of 2 and 4 in
-/// registers (the gathers they replace, on AVX2 the old path, were slower); other cases convert
-/// into `staging` (rows·groups floats) and transpose after.
+/// registers (faster than the gathers they replace); other cases convert into `staging`
+/// (rows·groups floats) and transpose after.
 template <class A>
 KVPACK_ALWAYS_INLINE void value_metadata_by_group(const std::uint16_t* metadata, index_t rows, index_t groups,
                                                   float* staging, float* by_group) noexcept {
@@ -426,8 +426,10 @@ KVPACK_ALWAYS_INLINE void value_metadata_by_group(const std::uint16_t* metadata,
       for (index_t r = 0; r < rows; r += 8) {
         const __m256 v0 = halves(r * 4), v1 = halves(r * 4 + 8), v2 = halves(r * 4 + 16), v3 = halves(r * 4 + 24);
         // A 4×4 transpose inside each 128-bit lane leaves group g's rows as 0, 2, 4, 6 | 1, 3, 5, 7.
-        const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(v0, v1)), t1 = _mm256_castps_pd(_mm256_unpackhi_ps(v0, v1));
-        const __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(v2, v3)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(v2, v3));
+        const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(v0, v1));
+        const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(v0, v1));
+        const __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(v2, v3));
+        const __m256d t3 = _mm256_castps_pd(_mm256_unpackhi_ps(v2, v3));
         const __m256d by_lane[4] = {_mm256_unpacklo_pd(t0, t2), _mm256_unpackhi_pd(t0, t2), _mm256_unpacklo_pd(t1, t3),
                                     _mm256_unpackhi_pd(t1, t3)};
         for (index_t g = 0; g < 4; ++g) {
