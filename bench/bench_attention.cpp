@@ -10,6 +10,9 @@
 // BM_AttendPreRopeGapsInCache does so for pages whose positions have gaps (evict::SnapKV kept 1K
 // of 4K prompt tokens per KV head): every page is decoded to rows and each row rotated on its own.
 //
+// BM_IntegerDotPeak is the other ceiling, the AVX-512 VNNI multiply-add rate (integer_dot_peak.hpp):
+// an integer kernel's GMACps against it shows how much of its time goes to work besides products.
+//
 // Counters: kv_GBps (encoded bytes read per second: pages with their scales, plus the fp32 tail),
 // bytes_per_token (those bytes per token of one layer, all KV heads), GMACps (score and value
 // multiply-adds per second), tokens_per_s (decode steps per second of a 32-layer model at this
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "bench_codecs.hpp"
+#include "integer_dot_peak.hpp"
 #include "shared_fixture.hpp"
 #include "kvpack/kvpack.hpp"
 
@@ -221,6 +225,8 @@ int main(int argc, char** argv) {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_IntegerDotPeak<int16>", bench::integer_dot_peak<true>)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("BM_IntegerDotPeak<int8>", bench::integer_dot_peak<false>)->Unit(benchmark::kMicrosecond);
   for (index_t context : {4096, 32768, 131072}) {
     bench::for_each_quantizer([&](auto quantizer) {
       using Q = decltype(quantizer);
