@@ -225,8 +225,10 @@ int main(int argc, char** argv) {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
-  benchmark::RegisterBenchmark("BM_IntegerDotPeak<int16>", bench::integer_dot_peak<true>)->Unit(benchmark::kMicrosecond);
-  benchmark::RegisterBenchmark("BM_IntegerDotPeak<int8>", bench::integer_dot_peak<false>)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("BM_IntegerDotPeak<int16>", bench::integer_dot_peak<true>)
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("BM_IntegerDotPeak<int8>", bench::integer_dot_peak<false>)
+      ->Unit(benchmark::kMicrosecond);
   for (index_t context : {4096, 32768, 131072}) {
     bench::for_each_quantizer([&](auto quantizer) {
       using Q = decltype(quantizer);
