@@ -3,7 +3,8 @@
 // KVQuant, q4_0, int8, q8_0) spend their products in `vpdpwssd` (two int16 products per 32-bit
 // lane: 32 MACs an instruction) and `vpdpbusd` (four u8·s8 products: 64 MACs); MACs divided by
 // this rate is the least time their products can take, whatever else a kernel does. Twelve
-// independent accumulators cover the instruction's latency (4 cycles on Zen 4/5 at two a cycle).
+// independent accumulators cover the instruction's latency: 4 cycles on the Zen 5 host (one chain
+// alone ran at a quarter of an instruction a cycle), so at two a cycle eight must be in flight.
 
 #include <benchmark/benchmark.h>
 
