@@ -226,8 +226,10 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond);
   }
   benchmark::RegisterBenchmark("BM_IntegerDotPeak<int16>", bench::integer_dot_peak<true>)
+      ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("BM_IntegerDotPeak<int8>", bench::integer_dot_peak<false>)
+      ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
   for (index_t context : {4096, 32768, 131072}) {
     bench::for_each_quantizer([&](auto quantizer) {

@@ -31,27 +31,13 @@ inline void vnni_chains(std::int64_t steps, std::int32_t* lanes) {
   __m512i x = _mm512_set1_epi16(3), y = _mm512_set1_epi16(5);
   __asm__ volatile("" : "+v"(x), "+v"(y));  // opaque operands: nothing folds at compile time
   // Distinct starting values: equal chains would be merged into one by the compiler.
-  __m512i a0 = _mm512_set1_epi32(0), a1 = _mm512_set1_epi32(1), a2 = _mm512_set1_epi32(2);
-  __m512i a3 = _mm512_set1_epi32(3), a4 = _mm512_set1_epi32(4), a5 = _mm512_set1_epi32(5);
-  __m512i a6 = _mm512_set1_epi32(6), a7 = _mm512_set1_epi32(7), a8 = _mm512_set1_epi32(8);
-  __m512i a9 = _mm512_set1_epi32(9), a10 = _mm512_set1_epi32(10), a11 = _mm512_set1_epi32(11);
+  __m512i acc[12];
+  for (int k = 0; k < 12; ++k) acc[k] = _mm512_set1_epi32(k);
   for (std::int64_t i = 0; i < steps; ++i) {
-    a0 = vnni_dot<Words>(a0, x, y);
-    a1 = vnni_dot<Words>(a1, x, y);
-    a2 = vnni_dot<Words>(a2, x, y);
-    a3 = vnni_dot<Words>(a3, x, y);
-    a4 = vnni_dot<Words>(a4, x, y);
-    a5 = vnni_dot<Words>(a5, x, y);
-    a6 = vnni_dot<Words>(a6, x, y);
-    a7 = vnni_dot<Words>(a7, x, y);
-    a8 = vnni_dot<Words>(a8, x, y);
-    a9 = vnni_dot<Words>(a9, x, y);
-    a10 = vnni_dot<Words>(a10, x, y);
-    a11 = vnni_dot<Words>(a11, x, y);
+#pragma GCC unroll 12  // all twelve (KVPACK_UNROLL stops at 8): the accumulators stay in registers
+    for (int k = 0; k < 12; ++k) acc[k] = vnni_dot<Words>(acc[k], x, y);
   }
-  for (const __m512i a : {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11}) {
-    _mm512_storeu_si512(lanes, _mm512_add_epi32(_mm512_loadu_si512(lanes), a));
-  }
+  for (const __m512i a : acc) _mm512_storeu_si512(lanes, _mm512_add_epi32(_mm512_loadu_si512(lanes), a));
 }
 #endif
 
