@@ -16,6 +16,7 @@ if(KVPACK_ENABLE_CUDA)
       set(CMAKE_CUDA_ARCHITECTURES 80 90)
     endif()
     enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)  # CUDA::cudart_static, for kvpack::cuda's consumers
     set(KVPACK_HAS_CUDA ON)
     message(STATUS "kvpack: CUDA backend built with ${CMAKE_CUDA_COMPILER} for architectures ${CMAKE_CUDA_ARCHITECTURES}")
   else()
@@ -28,4 +29,16 @@ endif()
 # from device code (the page layout helpers in quant/ are shared by both sides).
 function(kvpack_cuda_target target)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 --expt-relaxed-constexpr -lineinfo>)
+endfunction()
+
+# kvpack_add_cuda_library(<target>): a static library with the CUDA backend's entry points
+# (kvpack/backend/cuda_api.hpp) compiled by nvcc, so that code built by any C++ compiler can call
+# them. Linking it defines KVPACK_HAS_CUDA=1 for the consumer: kvpack/dispatch.hpp then sends
+# launches over device memory to it.
+function(kvpack_add_cuda_library target)
+  add_library(${target} STATIC "${PROJECT_SOURCE_DIR}/cmake/kvpack_cuda_library.cu")
+  target_link_libraries(${target} PUBLIC kvpack CUDA::cudart_static)
+  target_compile_definitions(${target} INTERFACE KVPACK_HAS_CUDA=1)
+  kvpack_cuda_target(${target})
+  set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
 endfunction()

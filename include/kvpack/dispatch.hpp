@@ -7,6 +7,11 @@
 /// kvpack::cpu_dispatch (which defines KVPACK_HAS_CPU_DISPATCH=1), the shipped kernels come
 /// precompiled for AVX-512, AVX2 and SSE2, and the best one this CPU runs is chosen once per
 /// kernel at first use (KVPACK_ISA overrides it).
+///
+/// Between backends: a launch runs where its buffers live (backend_of). Linked with kvpack::cuda
+/// (which defines KVPACK_HAS_CUDA=1), launches over device memory go to the CUDA backend's
+/// precompiled entry points (kvpack/backend/cuda_api.hpp); without it every address is host
+/// memory to kvpack. This header is the only place that tests KVPACK_HAS_CUDA.
 
 #include <string_view>
 
@@ -16,6 +21,12 @@
 
 #ifndef KVPACK_HAS_CPU_DISPATCH
 #define KVPACK_HAS_CPU_DISPATCH 0
+#endif
+#ifndef KVPACK_HAS_CUDA
+#define KVPACK_HAS_CUDA 0
+#endif
+#if KVPACK_HAS_CUDA
+#include "kvpack/backend/cuda_api.hpp"
 #endif
 
 #if KVPACK_HAS_CPU_DISPATCH
@@ -90,6 +101,49 @@ template <class Kernel>
   return kernels::cpu::selected_isa();
 #else
   return kernels::cpu::isa_name<kernels::cpu::default_arch>();
+#endif
+}
+
+/// Where a launch runs: the CPU kernels read host memory, the CUDA backend device memory.
+enum class Backend { kCpu, kCuda };
+
+/// Whether this program can run launches on the CUDA backend (it links kvpack::cuda).
+inline constexpr bool kHasCudaBackend = KVPACK_HAS_CUDA != 0;
+
+/// The backend whose memory holds `address`: kCuda for device (or managed) memory when this
+/// program links kvpack::cuda, kCpu for everything else.
+[[nodiscard]] inline Backend backend_of([[maybe_unused]] const void* address) noexcept {
+#if KVPACK_HAS_CUDA
+  return cuda_api::is_device_pointer(address) ? Backend::kCuda : Backend::kCpu;
+#else
+  return Backend::kCpu;
+#endif
+}
+
+/// Device scratch that CUDA launches reuse across calls (empty without kvpack::cuda).
+struct DeviceScratch {
+#if KVPACK_HAS_CUDA
+  cuda_api::AttentionWorkspace attention;
+#endif
+};
+
+/// A paged-attention launch (kernels/paged_attention_args.hpp) on the CUDA backend,
+/// asynchronous on `stream`; kUnsupported when kvpack::cuda is not linked or does not
+/// precompile this codec pair (code compiled by nvcc can call kernels::cuda::attend_paged for
+/// any pair instead).
+template <quant::Codec KeyCodec, quant::Codec ValueCodec, class Args>
+void attend_paged_on_cuda([[maybe_unused]] const Args& args, [[maybe_unused]] index_t max_pages,
+                          [[maybe_unused]] DeviceScratch& scratch, [[maybe_unused]] void* stream) {
+#if KVPACK_HAS_CUDA
+  if constexpr (cuda_api::CudaAttended<KeyCodec, ValueCodec>) {
+    cuda_api::attend_paged<KeyCodec, ValueCodec>(args, max_pages, scratch.attention, stream);
+  } else {
+    throw Error(ErrorCode::kUnsupported,
+                ::kvpack::detail::message("kvpack::cuda does not precompile attention over ", KeyCodec::kName, " / ",
+                                          ValueCodec::kName, " pages (kvpack/backend/cuda_api.hpp lists the pairs)"));
+  }
+#else
+  throw Error(ErrorCode::kUnsupported, "the buffers are in device memory, but this program does not link kvpack::cuda");
 #endif
 }
 

@@ -1,7 +1,7 @@
 // A downstream program: builds a small KV cache, prefills it, runs decode attention and checks
 // that every output is finite and a convex combination of the stored values (softmax weights).
-// Compiled by the find_package consumer (with kvpack::cpu_dispatch) and the add_subdirectory
-// consumer (header-only); KVPACK_EXPECT_DISPATCH says which.
+// Compiled by the find_package consumer (with kvpack::cpu_dispatch, and kvpack::cuda where nvcc
+// built it) and the add_subdirectory consumer (header-only); KVPACK_EXPECT_* say which.
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +17,10 @@
 #endif
 static_assert(KVPACK_HAS_CPU_DISPATCH == KVPACK_EXPECT_DISPATCH,
               "KVPACK_HAS_CPU_DISPATCH must be 1 exactly when kvpack::cpu_dispatch is linked");
+#ifndef KVPACK_EXPECT_CUDA
+#error "the consumer's CMakeLists.txt defines KVPACK_EXPECT_CUDA"
+#endif
+static_assert(KVPACK_HAS_CUDA == KVPACK_EXPECT_CUDA, "KVPACK_HAS_CUDA must be 1 exactly when kvpack::cuda is linked");
 
 namespace {
 
@@ -66,5 +70,11 @@ int main() {
   bool ok = !isa.empty();
   ok = attend_is_sane<kvpack::quant::Float<float>>("f32") && ok;
   ok = attend_is_sane<kvpack::quant::Q8_0>("q8_0") && ok;
+#if KVPACK_HAS_CUDA
+  // The nvcc-built library answers from host-compiled code, and host memory stays on the CPU.
+  const std::vector<float> host(4);
+  std::printf("kvpack::cuda linked: %d CUDA device(s)\n", kvpack::cuda_api::device_count());
+  ok = kvpack::dispatch::backend_of(host.data()) == kvpack::dispatch::Backend::kCpu && ok;
+#endif
   return ok ? 0 : 1;
 }

@@ -34,30 +34,14 @@
 #include "kvpack/kernels/cuda/element_decode.hpp"
 #include "kvpack/kernels/cuda/mma_attention.cuh"
 #include "kvpack/kernels/cuda/warp_reduce.cuh"
+#include "kvpack/kernels/paged_attention_args.hpp"
 #include "kvpack/quant/quant_concepts.hpp"
 
 namespace kvpack::inline v0::kernels::cuda {
 
-/// Everything one launch reads; every pointer is device memory.
-template <class KeyParams, class ValueParams>
-struct PagedAttentionArgs {
-  const std::byte* const* pages = nullptr;  ///< [total pages] payload addresses, streams back to back
-  const index_t* first_page = nullptr;      ///< [streams + 1] where each stream's pages start
-  const KeyParams* key_params = nullptr;    ///< [streams]
-  const ValueParams* value_params = nullptr;  ///< [streams]
-  const float* tail_keys = nullptr;    ///< [streams][tail_stride][head_dim] full-precision rows
-  const float* tail_values = nullptr;  ///< [streams][tail_stride][head_dim]
-  const index_t* tail_count = nullptr;  ///< [streams] rows in use
-  index_t tail_stride = 0;
-  const float* queries = nullptr;  ///< [streams][group][head_dim], softmax scale applied
-  float* out = nullptr;            ///< [streams][group][head_dim]
-  index_t streams = 0;
-  index_t group = 0;
-  index_t page_size = 0;
-  index_t head_dim = 0;
-  std::size_t value_offset = 0;   ///< bytes from a payload's start to its V plane
-  std::size_t payload_bytes = 0;  ///< bytes per payload, a multiple of 64
-};
+/// The launch arguments are backend-neutral (kernels/paged_attention_args.hpp); here every
+/// pointer in them is device memory.
+using ::kvpack::kernels::PagedAttentionArgs;
 
 namespace attention_detail {
 
