@@ -44,7 +44,9 @@ template <int Bits, class A>
 inline constexpr KiviCodeTable<Bits> kKiviCodeTable = [] {
   KiviCodeTable<Bits> table{};
   for (int byte = 0; byte < 256; ++byte) {
-    for (int j = 0; j < 8 / Bits; ++j) table.codes[byte][j] = static_cast<float>((byte >> (Bits * j)) & ((1 << Bits) - 1));
+    for (int j = 0; j < 8 / Bits; ++j) {
+      table.codes[byte][j] = static_cast<float>((byte >> (Bits * j)) & ((1 << Bits) - 1));
+    }
   }
   return table;
 }();
@@ -214,8 +216,8 @@ KVPACK_ALWAYS_INLINE void unpack_kivi_tokens(A, quant::PageGeometry g, const std
 /// Per head, the query times the channel scales of token group `tg` (qs[h][c] = q_c·s_c) and
 /// the query times its minimums (bias[h] = Σ_c q_c·m_c).
 template <int Bits, int Group, class A>
-KVPACK_ALWAYS_INLINE void fold_key_group(const std::byte* plane, quant::PageGeometry g, index_t tg, const float* queries,
-                                         index_t group, float* qs, float* bias) noexcept {
+KVPACK_ALWAYS_INLINE void fold_key_group(const std::byte* plane, quant::PageGeometry g, index_t tg,
+                                         const float* queries, index_t group, float* qs, float* bias) noexcept {
   using Codec = quant::KiviKeyCodec<Bits, Group>;
   using batch = simd::f32<A>;
   constexpr index_t kWidth = static_cast<index_t>(batch::size);
@@ -275,7 +277,8 @@ KVPACK_ALWAYS_INLINE void score_kivi_token_group(const std::uint8_t* codes, std:
 }
 
 template <int Bits, int Group, class A>
-void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>, const ScoreArgs<quant::NoParams>& args) noexcept {
+void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>,
+                const ScoreArgs<quant::NoParams>& args) noexcept {
   using Codec = quant::KiviKeyCodec<Bits, Group>;
   using L = KiviLanes<Bits, Group, A>;
   const PageRun& run = args.run;
