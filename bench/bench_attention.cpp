@@ -10,6 +10,10 @@
 // BM_AttendPreRopeGapsInCache does so for pages whose positions have gaps (evict::SnapKV kept 1K
 // of 4K prompt tokens per KV head): every page is decoded to rows and each row rotated on its own.
 //
+// BM_AttendPaged runs the same step as one kernels::attend_paged launch over the cache's own
+// page tables (what an engine with its own block tables calls); speedup_vs_cache_attend is
+// KVCache::attend's time on the same cache over its own.
+//
 // BM_IntegerDotPeak is the other ceiling, the AVX-512 VNNI multiply-add rate (integer_dot_peak.hpp):
 // an integer kernel's GMACps against it shows how much of its time goes to work besides products.
 //
@@ -37,6 +41,7 @@
 #include "bench_codecs.hpp"
 #include "integer_dot_peak.hpp"
 #include "shared_fixture.hpp"
+#include "kvpack/kernels/attend_paged.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace {
@@ -46,6 +51,7 @@ using namespace kvpack;
 constexpr ModelShape kLayerShape{1, 32, 8, 128};  // one Llama-3.1-8B layer
 constexpr std::size_t kWorkingSetBytes = std::size_t{512} << 20;
 constexpr int kModelLayers = 32;
+constexpr float kScale = 0.0884f;  // ≈ 1/sqrt(head_dim)
 
 /// One pool of threads per thread count, shared by every benchmark.
 ThreadPool& pool_of(int threads) {
@@ -96,6 +102,8 @@ struct AttendFixture {
   virtual ~AttendFixture() = default;
   /// One decode step of one layer; `pool` (nullptr: serial) spreads the KV streams.
   virtual void attend(index_t layer, const std::vector<float>& q, std::vector<float>& out, ThreadPool* pool) = 0;
+  /// The same step as one kernels::attend_paged launch over the cache's own page tables, serial.
+  virtual void attend_paged(index_t layer, const std::vector<float>& q, std::vector<float>& out) = 0;
   index_t layers = 0;
   std::size_t bytes_per_layer = 0;
 };
@@ -161,7 +169,59 @@ struct CacheFixture final : AttendFixture {
 
   void attend(index_t layer, const std::vector<float>& q, std::vector<float>& out, ThreadPool* threads) override {
     pool = threads;
-    cache->attend(seq, layer, std::span<const float>(q), std::span<float>(out), 0.0884f);
+    cache->attend(seq, layer, std::span<const float>(q), std::span<float>(out), kScale);
+  }
+
+  /// Page tables taken through the cache's public accessors, as an engine would hand them over:
+  /// contexts of whole pages and no tail rows, so only codecs without a residual window.
+  struct LayerTables {
+    std::vector<const std::byte*> pages;
+    std::vector<index_t> first_page{0};
+    std::vector<typename Quantizer::key_codec::params_type> key_params;
+    std::vector<typename Quantizer::value_codec::params_type> value_params;
+  };
+  std::vector<LayerTables> tables;
+  std::vector<float> scaled;
+  kernels::PagedWorkspace workspace;
+
+  void attend_paged(index_t layer, const std::vector<float>& q, std::vector<float>& out) override {
+    using K = typename Quantizer::key_codec;
+    using V = typename Quantizer::value_codec;
+    if constexpr (kernels::PagedAttendable<K, V> && kernels::kHostParams<K, V> &&
+                  std::is_same_v<Evictor, evict::KeepAll>) {
+      if (tables.empty()) {
+        tables.resize(static_cast<std::size_t>(layers));
+        for (index_t l = 0; l < layers; ++l) {
+          LayerTables& t = tables[static_cast<std::size_t>(l)];
+          for (index_t s = 0; s < kLayerShape.kv_heads; ++s) {
+            for (PageId id : cache->pages(seq, l, s)) t.pages.push_back(cache->pool().payload(id));
+            t.first_page.push_back(static_cast<index_t>(t.pages.size()));
+            const auto [kp, vp] = cache->codec_params(l, s);
+            t.key_params.push_back(kp);
+            t.value_params.push_back(vp);
+          }
+        }
+      }
+      scaled.resize(q.size());
+      for (std::size_t i = 0; i < q.size(); ++i) scaled[i] = q[i] * kScale;
+      const LayerTables& t = tables[static_cast<std::size_t>(layer)];
+      kernels::PagedArgs<K, V> a;
+      a.pages = t.pages.data();
+      a.first_page = t.first_page.data();
+      a.key_params = t.key_params.data();
+      a.value_params = t.value_params.data();
+      a.queries = scaled.data();
+      a.out = out.data();
+      a.streams = kLayerShape.kv_heads;
+      a.group = kLayerShape.group_size();
+      a.page_size = cache->config().page_size;
+      a.head_dim = kLayerShape.head_dim;
+      a.value_offset = cache->value_plane_offset();
+      a.payload_bytes = cache->page_format_info().payload_bytes;
+      kernels::attend_paged<K, V>(a, t.first_page[1], workspace);
+    } else {
+      throw Error(ErrorCode::kUnsupported, "BM_AttendPaged: codecs both backends decode, KeepAll only");
+    }
   }
 };
 
@@ -171,9 +231,18 @@ std::map<std::string, double>& fp16_seconds() {
   return seconds;
 }
 
+/// KVCache::attend's seconds per layer by "codec/context/threads/in_cache" (post-RoPE keys): the
+/// baseline of BM_AttendPaged's speedup_vs_cache_attend.
+std::map<std::string, double>& cache_attend_seconds() {
+  static std::map<std::string, double> seconds;
+  return seconds;
+}
+
+/// `paged`: the step as one kernels::attend_paged launch over the cache's page tables instead of
+/// KVCache::attend (one thread, post-RoPE keys).
 template <class Quantizer>
 void attend_benchmark(benchmark::State& state, index_t context, int threads, bool in_cache,
-                      KeyStorage storage = KeyStorage::kPostRope) {
+                      KeyStorage storage = KeyStorage::kPostRope, bool paged = false) {
   const std::string key = fmt::format("{}/{}/{}/{}", Quantizer::name(), context, in_cache, static_cast<int>(storage));
   AttendFixture& fixture = bench::shared_fixture<AttendFixture>(key, [&]() -> std::unique_ptr<AttendFixture> {
     if (storage == KeyStorage::kPreRopeGaps) {
@@ -188,19 +257,31 @@ void attend_benchmark(benchmark::State& state, index_t context, int threads, boo
   std::vector<float> out(q.size());
   ThreadPool* pool = threads > 1 ? &pool_of(threads) : nullptr;
   index_t layer = 0;
+  if (paged) fixture.attend_paged(layer, q, out);  // takes the page tables from the cache, untimed
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    fixture.attend(layer, q, out, pool);
+    if (paged) {
+      fixture.attend_paged(layer, q, out);
+    } else {
+      fixture.attend(layer, q, out, pool);
+    }
     benchmark::DoNotOptimize(out.data());
     layer = layer + 1 == fixture.layers ? 0 : layer + 1;
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double iterations = static_cast<double>(state.iterations());
   const std::string baseline_key = fmt::format("{}/{}/{}", context, threads, in_cache);
-  if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) {
-    if (storage == KeyStorage::kPostRope) fp16_seconds()[baseline_key] = seconds / iterations;
+  if (storage == KeyStorage::kPostRope && paged) {
+    if (const auto it = cache_attend_seconds().find(key); it != cache_attend_seconds().end()) {
+      state.counters["speedup_vs_cache_attend"] = it->second / (seconds / iterations);
+    }
+  } else if (storage == KeyStorage::kPostRope && threads == 1) {
+    cache_attend_seconds()[key] = seconds / iterations;
   }
-  if (const auto it = fp16_seconds().find(baseline_key); it != fp16_seconds().end()) {
+  if constexpr (std::is_same_v<Quantizer, quant::Float<half>>) {
+    if (storage == KeyStorage::kPostRope && !paged) fp16_seconds()[baseline_key] = seconds / iterations;
+  }
+  if (const auto it = fp16_seconds().find(baseline_key); it != fp16_seconds().end() && !paged) {
     state.counters["speedup_vs_fp16"] = it->second / (seconds / iterations);
   }
   const double bytes = static_cast<double>(fixture.bytes_per_layer);
@@ -250,6 +331,24 @@ int main(int argc, char** argv) {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   });
+  // The same caches' pages as one kernels::attend_paged launch (registered after the rows that
+  // give its baseline); codecs without a residual window, whose caches keep no tail rows here.
+  auto register_paged = [](auto quantizer) {
+    using Q = decltype(quantizer);
+    const std::string name = bench::row_name<Q>();
+    benchmark::RegisterBenchmark(
+        fmt::format("BM_AttendPaged<{}>/ctx:32768/threads:1", name).c_str(),
+        [](benchmark::State& s) { attend_benchmark<Q>(s, 32768, 1, false, KeyStorage::kPostRope, true); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(
+        fmt::format("BM_AttendPagedInCache<{}>/ctx:1024/threads:1", name).c_str(),
+        [](benchmark::State& s) { attend_benchmark<Q>(s, 1024, 1, true, KeyStorage::kPostRope, true); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  };
+  register_paged(quant::Float<half>{});
+  register_paged(quant::Q4_0{});
   // f16 and the KVQuant widths (the kvquant-* policies store keys pre-RoPE); bf16 and FP8 are
   // precompiled as well and read the same element path as f16, so they have no rows of their own.
   auto register_pre_rope = [](auto quantizer) {

@@ -1,8 +1,9 @@
 #pragma once
 // One kernels::attend_paged launch over host memory: streams built with the codecs' scalar
-// encoders (stream_fixture.hpp), laid out as an engine's page tables, and each stream's output
-// checked against the scalar reference within support/error_bound.hpp's bound. Shared by the
-// kernels module and the CUDA API test (which also copies a launch to the device).
+// encoders (stream_fixture.hpp) from random rows with outlier channels, a zero key row and huge
+// elements, laid out as an engine's page tables; each stream's output checked against the scalar
+// reference within support/error_bound.hpp's bound. Shared by the kernels module and the CUDA API
+// test (which also copies a launch to the device).
 
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -39,28 +40,35 @@ struct HostLaunch {
   std::vector<typename ValueCodec::params_type> value_params;
   std::vector<float> tail_keys, tail_values, queries, out;
 
-  HostLaunch(index_t page_size, index_t head_dim_, index_t group_, const std::vector<StreamLength>& shapes,
+  HostLaunch(index_t page_size, index_t head_dim_, index_t group_, const std::vector<StreamLength>& lengths,
              std::uint32_t seed)
       : group(group_), head_dim(head_dim_) {
-    for (const StreamLength& s : shapes) {
+    for (const StreamLength& s : lengths) {
       tail_stride = std::max(tail_stride, s.tail);
       max_pages = std::max(max_pages, s.pages);
     }
-    for (std::size_t s = 0; s < shapes.size(); ++s) {
-      const std::size_t rows = static_cast<std::size_t>(shapes[s].pages) * page_size + shapes[s].tail;
+    for (std::size_t s = 0; s < lengths.size(); ++s) {
+      const std::size_t rows = static_cast<std::size_t>(lengths[s].pages) * page_size + lengths[s].tail;
       const auto stream_seed = seed + 10 * static_cast<std::uint32_t>(s);
+      // Outlier key channels (random_rows), and where the stream is long enough a zero key row,
+      // one huge key element and one huge value element.
       std::vector<float> keys = test::random_rows(rows, head_dim, stream_seed, 4, 10.0f);
+      std::vector<float> values = test::random_rows(rows, head_dim, stream_seed + 1);
+      if (rows > 9) {
+        std::fill_n(keys.begin() + 3 * head_dim, head_dim, 0.0f);
+        keys[7 * head_dim + 1] = 900.0f;
+        values[9 * head_dim + 2] = -400.0f;
+      }
       std::vector<float> q = test::random_rows(static_cast<std::size_t>(group), head_dim, stream_seed + 2, 4, 3.0f);
       for (float& x : q) x /= std::sqrt(static_cast<float>(head_dim));
-      fixtures.push_back(
-          std::make_unique<test::StreamFixture<Quantizer>>(page_size, head_dim, shapes[s].pages, shapes[s].tail, keys,
-                                                           test::random_rows(rows, head_dim, stream_seed + 1)));
+      fixtures.push_back(std::make_unique<test::StreamFixture<Quantizer>>(page_size, head_dim, lengths[s].pages,
+                                                                          lengths[s].tail, keys, values));
       const auto& f = *fixtures.back();
       pages.insert(pages.end(), f.pages.begin(), f.pages.end());
       first_page.push_back(static_cast<index_t>(pages.size()));
       key_params.push_back(f.key_params);
       value_params.push_back(f.value_params);
-      tail_count.push_back(shapes[s].tail);
+      tail_count.push_back(lengths[s].tail);
       std::vector<float> padded_keys(static_cast<std::size_t>(tail_stride) * head_dim, 0.0f),
           padded_values = padded_keys;
       std::copy(f.tail_keys.begin(), f.tail_keys.end(), padded_keys.begin());

@@ -104,14 +104,14 @@ concept CudaEncoded = detail::kEncoded<KeyCodec, ValueCodec>;
 /// query head of `args`, all of whose pointers are device memory; `max_pages` is the most pages
 /// any stream holds. Asynchronous on `stream` (a cudaStream_t, nullptr for the default stream).
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-requires CudaAttended<KeyCodec, ValueCodec>
+  requires CudaAttended<KeyCodec, ValueCodec>
 void attend_paged(const DeviceAttentionArgs<KeyCodec, ValueCodec>& args, index_t max_pages,
                   AttentionWorkspace& workspace, void* stream = nullptr);
 
 /// kernels::cuda::encode_pages (encode_pages.cuh): `count` full pages encoded on the device from
 /// fp32 rows there, byte for byte as the host codecs encode them. Asynchronous on `stream`.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-requires CudaEncoded<KeyCodec, ValueCodec>
+  requires CudaEncoded<KeyCodec, ValueCodec>
 void encode_pages(const float* keys, const float* values, std::ptrdiff_t row_stride, index_t count,
                   const typename KeyCodec::params_type& key_params,
                   const typename ValueCodec::params_type& value_params, std::byte* const* payloads,

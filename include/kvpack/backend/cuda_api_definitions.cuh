@@ -34,7 +34,7 @@ AttentionWorkspace::AttentionWorkspace(AttentionWorkspace&&) noexcept = default;
 AttentionWorkspace& AttentionWorkspace::operator=(AttentionWorkspace&&) noexcept = default;
 
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-requires CudaAttended<KeyCodec, ValueCodec>
+  requires CudaAttended<KeyCodec, ValueCodec>
 void attend_paged(const DeviceAttentionArgs<KeyCodec, ValueCodec>& args, index_t max_pages,
                   AttentionWorkspace& workspace, void* stream) {
   kernels::cuda::attend_paged<KeyCodec, ValueCodec>(args, max_pages, workspace.impl().workspace,
@@ -42,7 +42,7 @@ void attend_paged(const DeviceAttentionArgs<KeyCodec, ValueCodec>& args, index_t
 }
 
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-requires CudaEncoded<KeyCodec, ValueCodec>
+  requires CudaEncoded<KeyCodec, ValueCodec>
 void encode_pages(const float* keys, const float* values, std::ptrdiff_t row_stride, index_t count,
                   const typename KeyCodec::params_type& key_params,
                   const typename ValueCodec::params_type& value_params, std::byte* const* payloads,

@@ -22,10 +22,16 @@ namespace kvpack::inline v0::kernels {
 template <class KeyCodec, class ValueCodec>
 using PagedArgs = PagedAttentionArgs<cuda::device_params_t<KeyCodec>, cuda::device_params_t<ValueCodec>>;
 
+/// The codec pairs both backends decode from raw launches: every codec but TurboQuant's and
+/// QJL's, whose rotations these arguments do not carry.
+template <class KeyCodec, class ValueCodec>
+concept PagedAttendable = cuda::DeviceDecodable<KeyCodec> && cuda::DeviceDecodable<ValueCodec>;
+
 /// Whether a codec pair's launches carry the codecs' own parameters, which the CPU kernels take
 /// (all but KVQuant's, whose device form holds copies of its tables).
 template <class KeyCodec, class ValueCodec>
-inline constexpr bool kHostParams = std::is_same_v<cuda::device_params_t<KeyCodec>, typename KeyCodec::params_type>&&
+inline constexpr bool kHostParams =
+    std::is_same_v<cuda::device_params_t<KeyCodec>, typename KeyCodec::params_type> &&
     std::is_same_v<cuda::device_params_t<ValueCodec>, typename ValueCodec::params_type>;
 
 /// Scratch reused across attend_paged calls on either backend.
@@ -36,7 +42,7 @@ struct PagedWorkspace {
 
 namespace paged_detail {
 
-/// Which fields of the arguments are set, by name, for the error messages.
+/// The launch's arrays, named for the error messages.
 template <class Args>
 auto pointer_fields(const Args& a) {
   return std::to_array<std::pair<const char*, const void*>>({{"pages", a.pages},
@@ -115,8 +121,7 @@ void check_streams_on_host(const Args& a, index_t max_pages) {
 /// out = softmax(q·Kᵀ) V for every stream and query head of `args` (queries carry the softmax
 /// scale), where the buffers live: `args.out` picks the backend, and every other array must be
 /// in the same memory (kInvalidArgument names the one that is not). `max_pages` is the most
-/// pages any stream holds. For the codecs both backends decode (cuda::DeviceDecodable: every
-/// codec but TurboQuant's and QJL's, whose rotations these arguments do not carry).
+/// pages any stream holds.
 ///
 /// Host memory: the CPU kernels, synchronously, after checking every stream's page range, tail
 /// count and page addresses (payloads 64-byte aligned, as the cache's pool lays them out).
@@ -126,7 +131,7 @@ void check_streams_on_host(const Args& a, index_t max_pages) {
 /// parameters on the CPU (attend through a KVCache there), a program without kvpack::cuda, or
 /// a codec pair kvpack::cuda does not precompile.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
-requires cuda::DeviceDecodable<KeyCodec> && cuda::DeviceDecodable<ValueCodec>
+  requires PagedAttendable<KeyCodec, ValueCodec>
 void attend_paged(const PagedArgs<KeyCodec, ValueCodec>& args, index_t max_pages, PagedWorkspace& workspace,
                   void* stream = nullptr) {
   const dispatch::Backend backend = paged_detail::check_launch<KeyCodec, ValueCodec>(args, max_pages);
