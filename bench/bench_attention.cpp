@@ -36,12 +36,14 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "bench_codecs.hpp"
 #include "integer_dot_peak.hpp"
 #include "shared_fixture.hpp"
-#include "kvpack/kernels/attend_paged.hpp"
+#include "kvpack/kernels/cache_launch.hpp"
 #include "kvpack/kvpack.hpp"
 
 namespace {
@@ -172,53 +174,27 @@ struct CacheFixture final : AttendFixture {
     cache->attend(seq, layer, std::span<const float>(q), std::span<float>(out), kScale);
   }
 
-  /// Page tables taken through the cache's public accessors, as an engine would hand them over:
-  /// contexts of whole pages and no tail rows, so only codecs without a residual window.
-  struct LayerTables {
-    std::vector<const std::byte*> pages;
-    std::vector<index_t> first_page{0};
-    std::vector<typename Quantizer::key_codec::params_type> key_params;
-    std::vector<typename Quantizer::value_codec::params_type> value_params;
-  };
-  std::vector<LayerTables> tables;
+  /// The cache's layers as raw launches over their own page tables, as an engine hands them over
+  /// (caches that kernels::CacheLayerLaunch takes; nothing for the others).
+  using K = typename Quantizer::key_codec;
+  using V = typename Quantizer::value_codec;
+  static constexpr bool kLaunchable = kernels::PagedAttendable<K, V> && kernels::kHostParams<K, V> &&
+                                      std::is_same_v<Evictor, evict::KeepAll>;
+  std::conditional_t<kLaunchable, std::vector<kernels::CacheLayerLaunch<Cache>>, std::monostate> launches;
   std::vector<float> scaled;
   kernels::PagedWorkspace workspace;
 
   void attend_paged(index_t layer, const std::vector<float>& q, std::vector<float>& out) override {
-    using K = typename Quantizer::key_codec;
-    using V = typename Quantizer::value_codec;
-    if constexpr (kernels::PagedAttendable<K, V> && kernels::kHostParams<K, V> &&
-                  std::is_same_v<Evictor, evict::KeepAll>) {
-      if (tables.empty()) {
-        tables.resize(static_cast<std::size_t>(layers));
-        for (index_t l = 0; l < layers; ++l) {
-          LayerTables& t = tables[static_cast<std::size_t>(l)];
-          for (index_t s = 0; s < kLayerShape.kv_heads; ++s) {
-            for (PageId id : cache->pages(seq, l, s)) t.pages.push_back(cache->pool().payload(id));
-            t.first_page.push_back(static_cast<index_t>(t.pages.size()));
-            const auto [kp, vp] = cache->codec_params(l, s);
-            t.key_params.push_back(kp);
-            t.value_params.push_back(vp);
-          }
-        }
+    if constexpr (kLaunchable) {
+      if (launches.empty()) {
+        for (index_t l = 0; l < layers; ++l) launches.emplace_back(*cache, seq, l);
       }
       scaled.resize(q.size());
       for (std::size_t i = 0; i < q.size(); ++i) scaled[i] = q[i] * kScale;
-      const LayerTables& t = tables[static_cast<std::size_t>(layer)];
-      kernels::PagedArgs<K, V> a;
-      a.pages = t.pages.data();
-      a.first_page = t.first_page.data();
-      a.key_params = t.key_params.data();
-      a.value_params = t.value_params.data();
-      a.queries = scaled.data();
-      a.out = out.data();
-      a.streams = kLayerShape.kv_heads;
-      a.group = kLayerShape.group_size();
-      a.page_size = cache->config().page_size;
-      a.head_dim = kLayerShape.head_dim;
-      a.value_offset = cache->value_plane_offset();
-      a.payload_bytes = cache->page_format_info().payload_bytes;
-      kernels::attend_paged<K, V>(a, t.first_page[1], workspace);
+      kernels::CacheLayerLaunch<Cache>& launch = launches[static_cast<std::size_t>(layer)];
+      launch.args().queries = scaled.data();
+      launch.args().out = out.data();
+      launch.attend(workspace);
     } else {
       throw Error(ErrorCode::kUnsupported, "BM_AttendPaged: codecs both backends decode, KeepAll only");
     }

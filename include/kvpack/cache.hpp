@@ -838,6 +838,24 @@ class KVCache {
   }
   [[nodiscard]] const paging::PagePool& pool() const noexcept { return pool_; }
 
+  /// The full-precision rows of (sequence, layer) that attend reads after the pages, for every
+  /// stream: the exact prefix, then the tail. Keys at keys[(s·stride + r)·key_dim], values at
+  /// values[(s·stride + r)·value_dim] for stream s and row r < count. Read access like pages():
+  /// valid until the sequence is next written, forked or released. Null pointers while the layer
+  /// holds nothing.
+  struct FullPrecisionRows {
+    const float* keys = nullptr;
+    const float* values = nullptr;
+    index_t count = 0;
+    index_t stride = 0;
+  };
+  [[nodiscard]] FullPrecisionRows full_precision_rows(SeqId seq, index_t layer) const {
+    const Sequence& sequence = find(seq, "full_precision_rows");
+    const LayerState& state = sequence.layers[stored_layer(layer, "full_precision_rows")];
+    if (state.tail_keys.empty()) return {};
+    return {state.tail_keys.data(), state.tail_values.data(), state.rows_count(), tail_capacity()};
+  }
+
   /// What one stream of a layer holds, decoded: the tokens a policy kept (live slots of every
   /// page, then the tail), in token order, as the attention kernels see them (pre-RoPE keys
   /// rotated to their positions). For evaluation and

@@ -85,7 +85,10 @@ dispatch::Backend check_launch(const PagedArgs<KeyCodec, ValueCodec>& a, index_t
       ::kvpack::detail::message("attend_paged: payload_bytes must be a multiple of 64, got ", a.payload_bytes));
   const dispatch::Backend backend = dispatch::backend_of(a.out);
   for (const auto& [name, address] : pointer_fields(a)) {
-    const bool optional = std::string_view(name).starts_with("tail_") && a.tail_stride == 0;
+    // Tail arrays are optional without tail rows; pages without pages (over host memory, where
+    // the page ranges are read, a null `pages` with pages to read is rejected below).
+    const bool optional = (std::string_view(name).starts_with("tail_") && a.tail_stride == 0) ||
+                          std::string_view(name) == "pages";
     KVPACK_CHECK(address != nullptr || optional, kInvalidArgument,
                  ::kvpack::detail::message("attend_paged: ", name, " is null"));
     KVPACK_CHECK(address == nullptr || dispatch::backend_of(address) == backend, kInvalidArgument,
@@ -109,6 +112,8 @@ void check_streams_on_host(const Args& a, index_t max_pages) {
                                            a.first_page[s + 1], ") (max_pages ", max_pages, ") and ", tail,
                                            " tail rows (tail_stride ", a.tail_stride,
                                            "); each stream needs a token, first_page must not decrease"));
+    KVPACK_CHECK(pages == 0 || a.pages != nullptr, kInvalidArgument,
+                 ::kvpack::detail::message("attend_paged: pages is null, but stream ", s, " has ", pages, " pages"));
     for (index_t i = a.first_page[s]; i < a.first_page[s + 1]; ++i) {
       KVPACK_CHECK(a.pages[i] != nullptr && reinterpret_cast<std::uintptr_t>(a.pages[i]) % 64 == 0, kInvalidArgument,
                    ::kvpack::detail::message("attend_paged: page ", i, " is null or not 64-byte aligned"));

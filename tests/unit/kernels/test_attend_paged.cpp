@@ -1,8 +1,8 @@
 // kernels::attend_paged over host memory: an engine's own page tables (several streams of
 // different lengths in one launch, tails of any length, tail-only streams) through the CPU
 // kernels, each stream against the scalar reference on the same page bytes; a KVCache's own pages
-// through its public accessors, equal to KVCache::attend; and every argument it rejects, with
-// nothing written to `out`.
+// and full-precision rows (CacheLayerLaunch), equal to KVCache::attend; and every argument it
+// rejects, with nothing written to `out`.
 
 #include <catch2/catch.hpp>
 
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvpack/kernels/attend_paged.hpp"
+#include "kvpack/kernels/cache_launch.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/host_launch.hpp"
 
@@ -74,6 +75,7 @@ TEST_CASE("attend_paged rejects bad launches before writing anything", "[kernels
   rejects(with([](A& a) { a.payload_bytes -= 64; }), ErrorCode::kInvalidArgument, "runs past the payload");
   rejects(with([](A& a) { a.payload_bytes += 32; }), ErrorCode::kInvalidArgument, "multiple of 64");
   rejects(with([](A& a) { a.queries = nullptr; }), ErrorCode::kInvalidArgument, "queries is null");
+  rejects(with([](A& a) { a.pages = nullptr; }), ErrorCode::kInvalidArgument, "pages is null, but stream 0 has 3");
   rejects(with([](A& a) { a.tail_count = nullptr; }), ErrorCode::kInvalidArgument, "tail_count is null");
   rejects(launch.args(), ErrorCode::kInvalidArgument, "max_pages 2", 2);  // stream 0 holds 3 pages
 
@@ -121,65 +123,55 @@ TEST_CASE("attend_paged rejects bad launches before writing anything", "[kernels
 
 namespace {
 
-/// A host cache's own pages as one launch over all KV streams of a layer (contexts that fill
-/// whole pages, so no stream has tail rows), against KVCache::attend on the same cache.
+/// A host cache's own pages and full-precision rows as one launch over all KV streams of a layer
+/// (kernels::CacheLayerLaunch, through the cache's public accessors), against KVCache::attend on
+/// the same cache.
 template <class Quantizer>
-void check_cache_pages(index_t tokens) {
-  using K = typename Quantizer::key_codec;
-  using V = typename Quantizer::value_codec;
+void check_cache_launch(index_t tokens, CacheConfig config = {}) {
   const ModelShape shape{1, 8, 2, 128};
-  CacheConfig config;
   config.page_size = 32;
   KVCache<layout::GQA, Quantizer> cache(shape, config);
   const SeqId seq = cache.add_sequence();
-  const std::size_t row = static_cast<std::size_t>(shape.kv_heads) * shape.head_dim;
-  const std::vector<float> keys = test::random_rows(static_cast<std::size_t>(tokens) * shape.kv_heads, shape.head_dim,
-                                                    41, 4, 10.0f);
+  const std::vector<float> keys =
+      test::random_rows(static_cast<std::size_t>(tokens) * shape.kv_heads, shape.head_dim, 41, 4, 10.0f);
   const std::vector<float> values = test::random_rows(keys.size() / shape.head_dim, shape.head_dim, 42);
-  REQUIRE(keys.size() == tokens * row);
   cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
   const std::vector<float> query = test::random_rows(static_cast<std::size_t>(shape.q_heads), shape.head_dim, 43);
   const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   std::vector<float> expected(query.size());
   cache.attend(seq, 0, std::span<const float>(query), std::span<float>(expected), scale);
 
-  // What an engine hands attend_paged from the cache's public accessors.
-  std::vector<const std::byte*> pages;
-  std::vector<index_t> first_page{0};
-  std::vector<typename K::params_type> key_params;
-  std::vector<typename V::params_type> value_params;
-  for (index_t s = 0; s < shape.kv_heads; ++s) {
-    for (PageId id : cache.pages(seq, 0, s)) pages.push_back(cache.pool().payload(id));
-    first_page.push_back(static_cast<index_t>(pages.size()));
-    const auto [kp, vp] = cache.codec_params(0, s);
-    key_params.push_back(kp);
-    value_params.push_back(vp);
-  }
+  kernels::CacheLayerLaunch launch(cache, seq, 0);
   std::vector<float> scaled(query.size()), out(query.size(), -7.0f);
   for (std::size_t i = 0; i < query.size(); ++i) scaled[i] = query[i] * scale;  // as KVCache::attend scales
-  kernels::PagedArgs<K, V> a;
-  a.pages = pages.data();
-  a.first_page = first_page.data();
-  a.key_params = key_params.data();
-  a.value_params = value_params.data();
-  a.queries = scaled.data();
-  a.out = out.data();
-  a.streams = shape.kv_heads;
-  a.group = shape.group_size();
-  a.page_size = config.page_size;
-  a.head_dim = shape.head_dim;
-  a.value_offset = cache.value_plane_offset();
-  a.payload_bytes = cache.page_format_info().payload_bytes;
+  launch.args().queries = scaled.data();
+  launch.args().out = out.data();
   kernels::PagedWorkspace workspace;
-  kernels::attend_paged<K, V>(a, tokens / config.page_size, workspace);
-  INFO(Quantizer::name());
+  launch.attend(workspace);
+  INFO(Quantizer::name() << ", " << tokens << " tokens, " << launch.args().tail_stride << "-row tail stride");
   CHECK(out == expected);  // the same kernels over the same bytes in the same order
 }
 
 }  // namespace
 
-TEST_CASE("attend_paged over a KVCache's own pages equals KVCache::attend", "[kernels]") {
-  check_cache_pages<quant::Float<half>>(8 * 32);
-  check_cache_pages<quant::Q4_0>(33 * 32);  // more than one 512-token chunk of pages
-  check_cache_pages<quant::Int8>(3 * 32);
+TEST_CASE("attend_paged over a KVCache's own pages and rows equals KVCache::attend", "[kernels]") {
+  check_cache_launch<quant::Float<half>>(8 * 32);  // whole pages, no rows
+  check_cache_launch<quant::Float<half>>(8 * 32 + 5);
+  check_cache_launch<quant::Q4_0>(33 * 32 + 31);  // more than one 512-token chunk of pages
+  check_cache_launch<quant::Int8>(3 * 32 + 1);
+  check_cache_launch<quant::KIVI<4, 32>>(20 * 32 + 7);  // the residual window's rows too
+  check_cache_launch<quant::KIVI<2, 32>>(9 * 32 + 12);
+  CacheConfig with_prefix;
+  with_prefix.exact_prefix_tokens = 4;  // exact rows first, then the tail
+  check_cache_launch<quant::Q8_0>(6 * 32 + 3, with_prefix);
+  CacheConfig tail;
+  tail.tail_tokens = 64;  // the newest 64 tokens and more stay in fp32
+  check_cache_launch<quant::Float<bfloat16>>(5 * 32 + 9, tail);
+  check_cache_launch<quant::Float<half>>(20, tail);  // rows only, no page
+
+  CacheConfig pre_rope;
+  pre_rope.key_rope = RopeSpec{};
+  KVCache<layout::GQA, quant::Float<half>> rotated({1, 8, 2, 128}, pre_rope);
+  const SeqId seq = rotated.add_sequence();
+  CHECK_THROWS_WITH(kernels::CacheLayerLaunch(rotated, seq, 0), Catch::Matchers::Contains("before RoPE"));
 }
