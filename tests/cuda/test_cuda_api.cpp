@@ -131,8 +131,7 @@ TEST_CASE("kvpack::cuda links into host-compiled code and answers without a devi
   STATIC_REQUIRE_FALSE(cuda_api::CudaEncoded<quant::KVQuant<3>::key_codec, quant::KVQuant<3>::value_codec>);
   STATIC_REQUIRE_FALSE(cuda_api::CudaAttended<quant::KIVI<4, 64>::key_codec, quant::KIVI<4, 64>::value_codec>);
   STATIC_REQUIRE_FALSE(cuda_api::CudaAttended<quant::Q4_0::key_codec, quant::Q8_0::value_codec>);
-  const int devices = cuda_api::device_count();
-  CHECK(devices >= 0);
+  INFO(cuda_api::device_count() << " CUDA device(s)");  // never throws, whatever the machine has
   const std::vector<float> host_buffer(16, 1.0f);
   CHECK_FALSE(cuda_api::is_device_pointer(nullptr));
   CHECK_FALSE(cuda_api::is_device_pointer(host_buffer.data()));
