@@ -16,7 +16,7 @@
 /// The minimums' sums (Σ q·m, Σ w·m) stay in fp32. tests/support/error_bound.hpp holds the bound.
 ///
 /// The kernels take what a code stands for as a parameter: the code itself for KIVI (RawCodes),
-/// a byte copy of the codebook's levels for KVQuant (NuqByteLevels in kvquant.hpp).
+/// a byte copy of a codebook's levels for KVQuant and TurboQuant (ByteLevels, byte_levels.hpp).
 ///
 /// 4-bit codes: each step loads 16 bytes (32 codes) from four rows — four channels of one token
 /// group (keys) or four tokens of one channel chunk (values) — and transposes them with one dword
@@ -68,7 +68,7 @@ KVPACK_ALWAYS_INLINE void load_quads(const std::uint8_t* p, std::size_t stride, 
 }
 
 /// The operand the kernels below multiply for a vector of codes: KIVI multiplies the codes
-/// themselves; KVQuant looks up its codebook's levels (kvquant.hpp's NuqByteLevels). `bytes`
+/// themselves; KVQuant and TurboQuant look up their codebook's levels (ByteLevels). `bytes`
 /// takes one code per byte (values), `words` one per word with a zero high byte (keys).
 struct RawCodes {
   KVPACK_ALWAYS_INLINE __m512i bytes(__m512i codes) const noexcept { return codes; }

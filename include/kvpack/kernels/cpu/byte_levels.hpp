@@ -1,0 +1,98 @@
+#pragma once
+/// \file byte_levels.hpp
+/// \brief What the kernels that multiply codebook levels as bytes share (KVQuant's and
+///        TurboQuant's AVX-512 VNNI paths, through kivi_vnni.hpp's loops): the codebook as a
+///        byte table, the −128 each byte level carries, and 3-bit codes widened to 4-bit ones.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvpack/kernels/cpu/integer_common.hpp"
+
+#if KVPACK_KERNELS_HAVE_VNNI
+
+namespace kvpack::inline v0::kernels::cpu {
+
+/// A codebook of up to 16 levels as unsigned bytes for kivi_vnni's integer products (4- and
+/// 2-bit codes): byte_k = 128 + round(ℓ_k / step) with step = max_k |ℓ_k| / 127, so each level is
+/// (byte_k − 128)·step within step/2, and Σ_t w8_t·ℓ(code_t) = step·(Σ_t w8_t·byte − 128·Σ_t w8_t)
+/// (likewise Σ_c q16_c·ℓ(code_c) for keys).
+/// One byte shuffle per vector of codes looks them up; codes past the codebook's size read the
+/// zero level (the caller zero-pads `levels`).
+struct ByteLevels {
+  __m512i table;
+  float step = 0.0f;  ///< 0 when no level is usable (all zero, or one not finite): the fp32 path
+
+  KVPACK_ALWAYS_INLINE explicit ByteLevels(const float (&levels)[16]) noexcept {
+    float largest = 0.0f;
+    bool finite = true;
+    for (float level : levels) {
+      finite = finite && std::isfinite(level);
+      largest = std::max(largest, std::fabs(level));
+    }
+    alignas(16) std::uint8_t bytes[16] = {};
+    if (finite && largest > 0.0f) {
+      step = largest / 127.0f;
+      for (int k = 0; k < 16; ++k) bytes[k] = static_cast<std::uint8_t>(128 + std::lrint(levels[k] / step));
+    }
+    table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes)));
+  }
+  KVPACK_ALWAYS_INLINE __m512i bytes(__m512i codes) const noexcept { return _mm512_shuffle_epi8(table, codes); }
+  /// Codes in words with a zero high byte: bit 7 set in the high byte makes the shuffle write 0 there.
+  KVPACK_ALWAYS_INLINE __m512i words(__m512i codes) const noexcept {
+    return _mm512_shuffle_epi8(table, _mm512_or_si512(codes, _mm512_set1_epi16(static_cast<short>(0x8000))));
+  }
+};
+
+/// Σ of each head's int8 weights over a page (a multiple of 16 tokens): the −128 of every byte
+/// level, taken out once per page.
+KVPACK_ALWAYS_INLINE void sum_int8_weights(const std::int8_t* w8, index_t group, index_t page_size,
+                                           std::int32_t* sums) noexcept {
+  for (index_t h = 0; h < group; ++h) {
+    __m512i sum = _mm512_setzero_si512();
+    for (index_t t = 0; t < page_size; t += 16) {
+      const auto* bytes = reinterpret_cast<const __m128i*>(w8 + h * page_size + t);
+      sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+    }
+    sums[h] = _mm512_reduce_add_epi32(sum);
+  }
+}
+
+/// 3-bit codes rewritten as 4-bit ones, so that the 4-bit integer kernels take them: `chunks`
+/// (a multiple of 4) runs of 32 codes, 12 bytes each, packed from the low bit up as get_code<3>
+/// reads them, become 16 bytes each with even codes in the low nibbles. Every page the integer
+/// kernels take has a multiple of 4: d·P/32 key runs with d a multiple of 16 and P of 32, P·d/32
+/// value runs with P a multiple of 16 and d of 32. Four chunks per pass, each in its own 128-bit
+/// lane. There word j takes the two bytes that hold codes 4j..4j+3 (bits 12j..12j+11), shifted
+/// down by 12j mod 8; two shift-and-select steps then move its four 3-bit fields to nibbles 0..3.
+/// Only AVX-512BW: VBMI's byte permutes would save two steps of eight, and the avx512 target
+/// does not require it.
+///
+/// Only the last load is masked: in cache, KVQuant-3 took 237-248 µs with masked loads and stores
+/// here, 215 µs without (the kernels read the output right away; a masked store most likely does
+/// not forward to those loads).
+KVPACK_ALWAYS_INLINE void widen_3bit_codes(const std::uint8_t* in, std::size_t chunks, std::uint8_t* out) noexcept {
+  const __m512i spread = _mm512_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 0, 9, 10, 11, 0);
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11));
+  const __m512i odd_words_by_4 = _mm512_set1_epi32(0x00040000);
+  const __m512i low_6_bits = _mm512_set1_epi16(0x003F), low_3_bits = _mm512_set1_epi8(0x07);
+  constexpr int kSelect = 0xE4;  // ternary logic "C ? A : B", bit by bit
+  for (std::size_t i = 0; i < chunks; i += 4) {
+    // A full load reads 16 bytes past the four chunks: the next four's, except on the last pass.
+    const __m512i bytes = i + 4 < chunks ? _mm512_loadu_si512(in + 12 * i)
+                                         : _mm512_maskz_loadu_epi8(~0ULL >> 16, in + 12 * i);
+    const __m512i words = _mm512_srlv_epi16(
+        _mm512_shuffle_epi8(_mm512_permutexvar_epi32(spread, bytes), pairs), odd_words_by_4);
+    // Fields at bits 0, 3 | 6, 9 to 0, 3 | 8, 11: each byte holds two fields (bits 6, 7 not yet clean).
+    const __m512i halves = _mm512_ternarylogic_epi32(words, _mm512_slli_epi16(words, 2), low_6_bits, kSelect);
+    // Then 0, 3 to 0, 4 in every byte, and the bits between cleared.
+    const __m512i nibbles = _mm512_ternarylogic_epi32(halves, _mm512_slli_epi16(halves, 1), low_3_bits, kSelect);
+    _mm512_storeu_si512(out + 16 * i, _mm512_and_si512(nibbles, _mm512_set1_epi8(0x77)));
+  }
+}
+
+}  // namespace kvpack::inline v0::kernels::cpu
+
+#endif  // KVPACK_KERNELS_HAVE_VNNI
