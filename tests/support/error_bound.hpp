@@ -25,6 +25,13 @@
 //   (kInt16Levels; r_c taken as the channel's largest over every layer and head of the tables),
 //   e = max_k |ℓ_k − byte copy of ℓ_k| ≤ max|ℓ| / 254: 0 up to float rounding for a codebook on
 //   the bytes' grid (stream_fixture.hpp's byte_grid_levels).
+// - TurboQuant-MSE's keys on AVX-512 (kernels/cpu/turboquant_vnni.hpp) take the rotated query Rq
+//   as int8 per head times the centroids as bytes: with n_t the token's norm and C its centroids,
+//   δ_t = n_t·e·‖Rq‖₁ + max|Rq|/254 · (‖R k̂_t‖₁ + d·n_t·e), e the centroids' largest byte
+//   rounding (n_t·C = R k̂_t; kInt8Levels). Its values take KVQuant's int8 weights with the norms
+//   as ranges: per rotated channel a page's sum moves by at most (page max of p) / 254 ·
+//   2.01·P·(page max of n)·max|C| (each weight by half a step, each level by at most max|C|/254),
+//   and un-rotating spreads that over the channels, at most √d times it on one (kInt8Codes).
 
 #include <algorithm>
 #include <cmath>
@@ -37,13 +44,15 @@
 #include "kvpack/quant/kvquant.hpp"
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
+#include "kvpack/quant/turboquant.hpp"
 
 namespace kvpack::test {
 
 /// How the kernel under test computes with a plane: in fp32, through int16 / int8 operands,
 /// through int16 / int8 operands that multiply raw codes (KIVI's keys / values), or through an
-/// int16 query that multiplies byte levels (KVQuant's keys; its values are kInt8Codes).
-enum class Operands { kFloat, kInt16, kInt8, kInt16Codes, kInt8Codes, kInt16Levels };
+/// int16 query that multiplies byte levels (KVQuant's keys; its values are kInt8Codes), or
+/// through an int8 query that multiplies byte levels (TurboQuant-MSE's keys; values kInt8Codes).
+enum class Operands { kFloat, kInt16, kInt8, kInt16Codes, kInt8Codes, kInt16Levels, kInt8Levels };
 
 /// KIVI's channel-grouped keys and token-grouped values, which the VNNI path multiplies as raw
 /// codes (its per-token keys are decoded to fp32 instead).
@@ -66,6 +75,13 @@ struct IsKVQuantByteLevels<quant::KVQuantKeyCodec<Bits>> : std::true_type {};
 template <int Bits>
 struct IsKVQuantByteLevels<quant::KVQuantValueCodec<Bits>> : std::true_type {};
 
+/// TurboQuant-MSE's planes, whose centroids the VNNI path multiplies as bytes (where every
+/// channel has a 3- or 4-bit code; the bound holds for the fp32 path too).
+template <class Codec>
+struct IsTurboMse : std::false_type {};
+template <Plane kPlane>
+struct IsTurboMse<quant::TurboCodec<quant::TurboVariant::kMse, kPlane>> : std::true_type {};
+
 /// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
 /// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
 template <class Codec>
@@ -74,6 +90,9 @@ Operands operands(bool vnni) {
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
   if constexpr (IsKVQuantByteLevels<Codec>::value) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt16Levels : Operands::kInt8Codes;
+  }
+  if constexpr (IsTurboMse<Codec>::value) {
+    return Codec::kPlane == Plane::kKey ? Operands::kInt8Levels : Operands::kInt8Codes;
   }
   if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
   if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
@@ -98,18 +117,52 @@ struct DecodedTokens {
   // KIVI keys: per token, each channel's scale and code (empty for tokens without codes);
   // KVQuant keys: each channel's half-range in key_scales.
   std::vector<std::vector<float>> key_scales, key_codes;
-  double key_level_error = 1.0 / 254.0;  // KVQuant keys: e above, over every layer's codebook
+  // TurboQuant keys: the layer's rotation, and per token its norm n_t and ‖R k̂_t‖₁ (empty for
+  // the tail's tokens).
+  const quant::turbo_detail::LayerView* turbo_layer = nullptr;
+  std::vector<std::vector<double>> turbo_keys;
+  double key_level_error = 1.0 / 254.0;  // KVQuant and TurboQuant keys: e above
   // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots; KVQuant
-  // values: M = 2·P·(page max of r).
+  // values: M = 2·P·(page max of r); TurboQuant values: M = 2.01·√d·P·(page max of n)·max|C|.
   std::vector<double> page_code_mass;
 };
+
+/// The largest distance of a TurboQuant layer's centroid from the kernel's byte copy of it
+/// (byte_levels.hpp: step · round(C / step), step = max|C| / 127 in float), over both widths.
+inline double turbo_level_error(const quant::turbo_detail::LayerView& v) {
+  double error = 0.0;
+  for (const float* centroids : {v.high_centroids, v.low_centroids}) {
+    float largest = 0.0f;
+    for (int k = 0; k < quant::turbo_detail::kMaxLevels; ++k) largest = std::max(largest, std::fabs(centroids[k]));
+    if (largest == 0.0f) continue;
+    const float step = largest / 127.0f;
+    for (int k = 0; k < quant::turbo_detail::kMaxLevels; ++k) {
+      const double copy = static_cast<double>(step) * static_cast<double>(std::lrint(centroids[k] / step));
+      error = std::max(error, std::fabs(centroids[k] - copy));
+    }
+  }
+  return error;
+}
 
 /// What the kInt16Codes, kInt16Levels and kInt8Codes bounds need from page `plane` for its
 /// token t (keys) or for the whole page (values); nothing for other codecs.
 template <class Codec>
-void add_key_codes([[maybe_unused]] const Codec& codec, quant::PageGeometry g, const std::byte* plane, int t,
-                   DecodedTokens& tokens) {
+void add_key_codes([[maybe_unused]] const Codec& codec, [[maybe_unused]] const typename Codec::params_type& params,
+                   quant::PageGeometry g, const std::byte* plane, int t, DecodedTokens& tokens) {
   std::vector<float> scales, codes;
+  std::vector<double> turbo;
+  if constexpr (IsTurboMse<Codec>::value && Codec::kPlane == Plane::kKey) {
+    // The caller has just added the token's decoded key.
+    const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(params, g.head_dim);
+    std::vector<float> rotated(static_cast<std::size_t>(g.head_dim));
+    quant::rotate(v.rotation, tokens.keys.back().data(), rotated.data());
+    double l1 = 0.0;
+    for (float x : rotated) l1 += std::fabs(x);
+    turbo = {quant::turbo_detail::load_half(plane + v.norms_offset(g.page_size) + 2 * static_cast<std::size_t>(t)), l1};
+    tokens.turbo_layer = &v;
+    tokens.key_level_error = turbo_level_error(v);
+  }
+  tokens.turbo_keys.push_back(std::move(turbo));
   if constexpr (IsKiviCodes<Codec>::value && Codec::kPlane == Plane::kKey) {
     for (int c = 0; c < g.head_dim; ++c) {
       const std::size_t meta = (static_cast<std::size_t>(t / Codec::kGroup) * g.head_dim + c) * 2;
@@ -139,8 +192,22 @@ void add_key_codes([[maybe_unused]] const Codec& codec, quant::PageGeometry g, c
 }
 
 template <class Codec>
-void add_value_code_mass(const Codec&, quant::PageGeometry g, const std::byte* plane, DecodedTokens& tokens) {
+void add_value_code_mass(const Codec&, [[maybe_unused]] const typename Codec::params_type& params,
+                         quant::PageGeometry g, const std::byte* plane, DecodedTokens& tokens) {
   double mass = 0.0;
+  if constexpr (IsTurboMse<Codec>::value && Codec::kPlane == Plane::kValue) {
+    const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(params, g.head_dim);
+    double norm_max = 0.0, centroid_max = 0.0;
+    for (int t = 0; t < g.page_size; ++t) {
+      norm_max = std::max(norm_max, static_cast<double>(std::fabs(quant::turbo_detail::load_half(
+                                        plane + v.norms_offset(g.page_size) + 2 * static_cast<std::size_t>(t)))));
+    }
+    for (int k = 0; k < quant::turbo_detail::kMaxLevels; ++k) {
+      centroid_max = std::max({centroid_max, std::fabs(static_cast<double>(v.high_centroids[k])),
+                               std::fabs(static_cast<double>(v.low_centroids[k]))});
+    }
+    mass = 2.01 * std::sqrt(static_cast<double>(g.head_dim)) * g.page_size * norm_max * centroid_max;
+  }
   if constexpr (IsKiviCodes<Codec>::value && Codec::kPlane == Plane::kValue) {
     const int groups = g.head_dim / Codec::kGroup;
     for (int c = 0; c < g.head_dim; ++c) {
@@ -196,6 +263,17 @@ inline double score_error_bound(const DecodedTokens& tokens, std::size_t t, cons
       codes += tokens.key_codes[t][c];
     }
     return qs_max / 65534.0 * codes * scale * (1.0 + 1e-4);  // fp32 products and steps
+  }
+  if (key_operands == Operands::kInt8Levels && t < tokens.turbo_keys.size() && !tokens.turbo_keys[t].empty()) {
+    std::vector<float> rotated(static_cast<std::size_t>(head_dim));
+    quant::rotate(tokens.turbo_layer->rotation, q, rotated.data());
+    double l1 = 0.0, largest = 0.0;
+    for (float x : rotated) {
+      l1 += std::fabs(x);
+      largest = std::max(largest, static_cast<double>(std::fabs(x)));
+    }
+    const double n = std::fabs(tokens.turbo_keys[t][0]), e = tokens.key_level_error;
+    return (n * e * l1 + largest / 254.0 * (tokens.turbo_keys[t][1] + head_dim * n * e)) * scale * (1.0 + 1e-4);
   }
   if (key_operands == Operands::kInt16Levels && t < tokens.key_scales.size() && !tokens.key_scales[t].empty()) {
     double qr_max = 0.0, qr_sum = 0.0;

@@ -103,7 +103,7 @@ class ReferenceCache {
         double page_max = 0.0;
         for (index_t i = first * d; i < (first + page_size_) * d; ++i) page_max = std::max(page_max, static_cast<double>(std::fabs(values[i])));
         tokens.page_max_value.push_back(page_max);
-        if (bounds != nullptr) add_value_code_mass(q.value, geometry, value_plane.data(), tokens);
+        if (bounds != nullptr) add_value_code_mass(q.value, value_params, geometry, value_plane.data(), tokens);
       }
       if (key_rope_) {
         for (index_t t = 0; t < n; ++t) apply_rope_reference(*key_rope_, d, l.positions[t], &keys[t * d]);
@@ -115,11 +115,12 @@ class ReferenceCache {
           const bool paged = t >= first_paged && t < paged_end;
           tokens.page_of.push_back(paged ? (t - first_paged) / page_size_ : -1);
           if (paged) {
-            add_key_codes(q.key, geometry, key_planes[(t - first_paged) / page_size_].data(),
+            add_key_codes(q.key, key_params, geometry, key_planes[(t - first_paged) / page_size_].data(),
                           static_cast<int>((t - first_paged) % page_size_), tokens);
           } else {
             tokens.key_scales.emplace_back();
             tokens.key_codes.emplace_back();
+            tokens.turbo_keys.emplace_back();
           }
         }
         bounds->resize(static_cast<std::size_t>(shape_.q_heads));

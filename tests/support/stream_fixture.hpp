@@ -163,11 +163,11 @@ test::DecodedTokens decoded_tokens(const Fixture& f, const RopeSpec* rope) {
     double page_max = 0.0;
     for (float x : v) page_max = std::max(page_max, static_cast<double>(std::fabs(x)));
     tokens.page_max_value.push_back(page_max);
-    test::add_value_code_mass(f.quantizer.value, f.geometry, f.pages[i] + f.value_offset, tokens);
+    test::add_value_code_mass(f.quantizer.value, f.value_params, f.geometry, f.pages[i] + f.value_offset, tokens);
     for (index_t t = 0; t < P; ++t) {
       if (!f.masks.empty() && !((f.masks[i][t / 64] >> (t % 64)) & 1u)) continue;
       tokens.keys.emplace_back(&k[t * d], &k[t * d] + d);
-      test::add_key_codes(f.quantizer.key, f.geometry, f.pages[i], t, tokens);
+      test::add_key_codes(f.quantizer.key, f.key_params, f.geometry, f.pages[i], t, tokens);
       if (rope != nullptr) apply_rope_reference(*rope, d, f.positions[i][t], tokens.keys.back().data());
       tokens.values.emplace_back(&v[t * d], &v[t * d] + d);
       tokens.page_of.push_back(static_cast<int>(i));
@@ -177,6 +177,7 @@ test::DecodedTokens decoded_tokens(const Fixture& f, const RopeSpec* rope) {
     tokens.keys.emplace_back(&f.tail_keys[t * d], &f.tail_keys[t * d] + d);
     tokens.key_scales.emplace_back();  // the tail is fp32: no codes
     tokens.key_codes.emplace_back();
+    tokens.turbo_keys.emplace_back();
     if (rope != nullptr) apply_rope_reference(*rope, d, f.positions.back()[t], tokens.keys.back().data());
     tokens.values.emplace_back(&f.tail_values[t * d], &f.tail_values[t * d] + d);
     tokens.page_of.push_back(-1);

@@ -144,8 +144,8 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
   std::transform(queries.begin(), queries.end(), scaled.begin(), [&](float x) { return x * scale; });
   test::DecodedTokens decoded = decoded_tokens(stored, page_size, stream.pages);
   for (const std::byte* payload : stream.payloads) {  // what KIVI's integer value bound needs
-    test::add_value_code_mass(stream.quantizer.value, quant::PageGeometry{page_size, latent},
-                              payload + stream.run.value_offset, decoded);
+    test::add_value_code_mass(stream.quantizer.value, stream.codecs.latent_params,
+                              quant::PageGeometry{page_size, latent}, payload + stream.run.value_offset, decoded);
   }
 
   // Per head, the bound for fp32 value sums and for the codec's integer value operands (the

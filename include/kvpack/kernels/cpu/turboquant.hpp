@@ -14,18 +14,24 @@
 /// Sᵀ folds in once); the sum is un-rotated once. attend_stream calls the value kernel once per
 /// chunk of 512 tokens, so "once" is once per head per chunk: exact (R is orthogonal, the
 /// softmax's rescaling is linear) and leaves attend_stream and the tail's fp32 sums untouched.
+/// On AVX-512 with VNNI, MSE layers whose every channel has a 4- or 3-bit code skip the fp32
+/// tile: integer products of the centroids as bytes (turboquant_vnni.hpp).
 ///
-/// Rotations are computed in double (rotation.hpp), so the rotated query is exact to fp32
-/// rounding. Helpers are always inlined or templated on the arch (STYLE.md §5.2).
+/// Rotations are computed in double (rotation.hpp; on AVX-512 in vectors, rotate.hpp), so the
+/// rotated query is exact to fp32 rounding. Helpers are always inlined or templated on the arch
+/// (STYLE.md §5.2).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
+#include "kvpack/kernels/cpu/rotate.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
+#include "kvpack/kernels/cpu/turboquant_vnni.hpp"
 #include "kvpack/quant/turboquant.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
@@ -350,15 +356,21 @@ void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
   float* rotated = tile + static_cast<std::size_t>(P) * d;               // [group][d]: R q
   float* sketched = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: S R q
   float* extra = sketched + static_cast<std::size_t>(args.group) * d;    // [group][P] sketch scores, then [P] factors
-  index_t perm[quant::kMaxRotationDim];
-  const bool sliced = turbo::row_order<A>(v, perm);
   for (index_t h = 0; h < args.group; ++h) {
-    quant::rotate(v.rotation, args.queries + h * d, rotated + h * d);
+    turbo::rotate(arch, v.rotation, args.queries + h * d, rotated + h * d);
     if constexpr (V == quant::TurboVariant::kProd) {
       turbo::sketch_rows(v.sketch, 0, d, d, rotated + h * d, sketched + h * d);
       turbo::permute_signs<A>(0, d, sketched + h * d, false);  // the sign tile's order
     }
-    if (sliced) turbo::permute(perm, d, rotated + h * d, false);  // the code tile's channel order
+  }
+#if KVPACK_KERNELS_HAVE_VNNI
+  if constexpr (V == quant::TurboVariant::kMse && kKiviVnni<A>) {
+    if (turbo_vnni::score_keys(arch, run, v, rotated, args.group, args.scores, args.score_stride, tile)) return;
+  }
+#endif
+  index_t perm[quant::kMaxRotationDim];
+  if (turbo::row_order<A>(v, perm)) {
+    for (index_t h = 0; h < args.group; ++h) turbo::permute(perm, d, rotated + h * d, false);  // the tile's order
   }
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher(run, i, 1, 1).step();
@@ -405,15 +417,32 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
   float* rotated = tile + static_cast<std::size_t>(P) * d;                 // [group][d]: R acc
   float* sketch_sum = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: Σ w coef ±1
   float* weights = sketch_sum + static_cast<std::size_t>(args.group) * d;  // [group][P]
+  for (index_t h = 0; h < args.group; ++h) turbo::rotate(arch, v.rotation, args.acc + h * d, rotated + h * d);
+  // The fp32 pages add in the code tile's channel order: the sums are put in it before the first.
   index_t perm[quant::kMaxRotationDim];
-  const bool sliced = turbo::row_order<A>(v, perm);
-  for (index_t h = 0; h < args.group; ++h) {
-    quant::rotate(v.rotation, args.acc + h * d, rotated + h * d);
-    if (sliced) turbo::permute(perm, d, rotated + h * d, false);  // the tile's channel order
-  }
+  bool sliced = false, tile_order = false;
+  auto to_tile_order = [&]() KVPACK_ALWAYS_INLINE_LAMBDA {
+    if (tile_order) return;
+    tile_order = true;
+    sliced = turbo::row_order<A>(v, perm);
+    if (!sliced) return;
+    for (index_t h = 0; h < args.group; ++h) turbo::permute(perm, d, rotated + h * d, false);
+  };
   if constexpr (V == quant::TurboVariant::kProd) {
     std::fill(sketch_sum, sketch_sum + static_cast<std::size_t>(args.group) * d, 0.0f);
   }
+#if KVPACK_KERNELS_HAVE_VNNI
+  // MSE has no sketch: its [group][d] holds the integer path's sums, and the rest of the scratch
+  // past the weights its per-page work.
+  std::optional<turbo_vnni::ValueSums<A>> integer;
+  if constexpr (V == quant::TurboVariant::kMse && kKiviVnni<A>) {
+    const std::size_t used = static_cast<std::size_t>(P) * d + 2 * static_cast<std::size_t>(args.group) * d +
+                             static_cast<std::size_t>(args.group) * P;
+    integer.emplace(v, args.group, P, sketch_sum, weights + static_cast<std::size_t>(args.group) * P,
+                    scratch_floats(args.group, P, d) - used);
+    if (!integer->usable()) integer.reset();
+  }
+#endif
   const std::byte* tile_page = reinterpret_cast<const std::byte*>(tile);
   auto scaled_weights = [&](const float* w, const float* factor) KVPACK_ALWAYS_INLINE_LAMBDA {
     for (index_t h = 0; h < args.group; ++h) {
@@ -423,6 +452,10 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
   for (index_t i = 0; i < run.count; ++i) {
     const std::byte* plane = run.pages[i] + run.value_offset;
     const float* w = args.weights + i * P;
+#if KVPACK_KERNELS_HAVE_VNNI
+    if (integer && integer->add_page(run, i, v, w, args.weight_stride)) continue;
+#endif
+    to_tile_order();
     float factor[kMaxPageTokens];
     // Dead slots carry weight 0, so their rows add nothing.
     turbo::token_factors(P, plane + v.norms_offset(P), nullptr, 1.0f, factor);
@@ -440,6 +473,9 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
                                                                                nullptr});
     }
   }
+#if KVPACK_KERNELS_HAVE_VNNI
+  if (integer) integer->finish(rotated, sliced ? perm : nullptr);
+#endif
   for (index_t h = 0; h < args.group; ++h) {
     float* r = rotated + h * d;
     if (sliced) turbo::permute(perm, d, r, true);
@@ -456,7 +492,7 @@ void accumulate_values(A arch, std::type_identity<quant::TurboCodec<V, Plane::kV
       }
       for (index_t c = 0; c < d; ++c) r[c] = static_cast<float>(sum[c]);
     }
-    quant::unrotate(v.rotation, r, args.acc + h * d);
+    turbo::unrotate(arch, v.rotation, r, args.acc + h * d);
   }
 }
 
