@@ -209,18 +209,6 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI (whole 32-token key
     for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false);
     check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, true);
-    // Outlier keys make the output's bound loose on AVX-512 (MSE's int8 query moves each score by up
-    // to δ, the weights by e^{±2δ}), so each path is also checked on its own: every score against
-    // its own bound, and a zero query, which scores every key 0 and leaves the values' bound.
-    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, false, nullptr,
-                             false, true);
-    const std::vector<float> zero_queries(queries.size(), 0.0f);
-    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, zero_queries, true);
-    // A query near the smallest normal float: AVX-512 scores it in fp32 rather than with a
-    // subnormal int8 step.
-    std::vector<float> tiny_queries(queries);
-    for (float& q : tiny_queries) q *= 1e-37f;
-    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, tiny_queries, false);
   }
 }
 

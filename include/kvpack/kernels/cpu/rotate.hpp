@@ -46,48 +46,44 @@ KVPACK_ALWAYS_INLINE void fwht_vectors(__m512d* v, index_t count) noexcept {
 }
 #endif
 
+/// out = R·in (`transpose` false) or Rᵀ·in for a Hadamard rotation of A's vectors, with the
+/// signs applied before the transform or after it as quant::rotate and quant::unrotate do. False,
+/// with nothing written, where A has no AVX-512 or the rotation is dense.
+template <class A>
+KVPACK_ALWAYS_INLINE bool hadamard_on_vectors(const quant::RotationView& r, const float* in, bool transpose,
+                                              float* out) noexcept {
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) {
+    if (r.kind != quant::RotationKind::kHadamard || r.dim % 8 != 0) return false;
+    __m512d v[quant::kMaxRotationDim / 8];
+    const index_t count = r.dim / 8;
+    for (index_t i = 0; i < count; ++i) {
+      const __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(in + 8 * i));
+      v[i] = transpose ? x : _mm512_mul_pd(x, _mm512_cvtps_pd(_mm256_loadu_ps(r.signs + 8 * i)));
+    }
+    fwht_vectors(v, count);
+    const __m512d norm = _mm512_set1_pd(1.0 / std::sqrt(static_cast<double>(r.dim)));
+    for (index_t i = 0; i < count; ++i) {
+      __m512d y = _mm512_mul_pd(v[i], norm);
+      if (transpose) y = _mm512_mul_pd(y, _mm512_cvtps_pd(_mm256_loadu_ps(r.signs + 8 * i)));
+      _mm256_storeu_ps(out + 8 * i, _mm512_cvtpd_ps(y));
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
 /// y = R x, as quant::rotate. `x` and `y` may alias.
 template <class A>
 KVPACK_ALWAYS_INLINE void rotate(A, const quant::RotationView& r, const float* x, float* y) noexcept {
-#if XSIMD_WITH_AVX512F
-  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) {
-    if (r.kind == quant::RotationKind::kHadamard && r.dim % 8 == 0) {
-      __m512d v[quant::kMaxRotationDim / 8];
-      const index_t count = r.dim / 8;
-      for (index_t i = 0; i < count; ++i) {
-        const __m512d signs = _mm512_cvtps_pd(_mm256_loadu_ps(r.signs + 8 * i));
-        v[i] = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + 8 * i)), signs);
-      }
-      fwht_vectors(v, count);
-      const __m512d norm = _mm512_set1_pd(1.0 / std::sqrt(static_cast<double>(r.dim)));
-      for (index_t i = 0; i < count; ++i) _mm256_storeu_ps(y + 8 * i, _mm512_cvtpd_ps(_mm512_mul_pd(v[i], norm)));
-      return;
-    }
-  }
-#endif
-  quant::rotate(r, x, y);
+  if (!hadamard_on_vectors<A>(r, x, false, y)) quant::rotate(r, x, y);
 }
 
 /// x = Rᵀ y, as quant::unrotate. `y` and `x` may alias.
 template <class A>
 KVPACK_ALWAYS_INLINE void unrotate(A, const quant::RotationView& r, const float* y, float* x) noexcept {
-#if XSIMD_WITH_AVX512F
-  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) {
-    if (r.kind == quant::RotationKind::kHadamard && r.dim % 8 == 0) {
-      __m512d v[quant::kMaxRotationDim / 8];
-      const index_t count = r.dim / 8;
-      for (index_t i = 0; i < count; ++i) v[i] = _mm512_cvtps_pd(_mm256_loadu_ps(y + 8 * i));
-      fwht_vectors(v, count);
-      const __m512d norm = _mm512_set1_pd(1.0 / std::sqrt(static_cast<double>(r.dim)));
-      for (index_t i = 0; i < count; ++i) {
-        const __m512d signs = _mm512_cvtps_pd(_mm256_loadu_ps(r.signs + 8 * i));
-        _mm256_storeu_ps(x + 8 * i, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(v[i], norm), signs)));
-      }
-      return;
-    }
-  }
-#endif
-  quant::unrotate(r, y, x);
+  if (!hadamard_on_vectors<A>(r, y, true, x)) quant::unrotate(r, y, x);
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu::turbo
