@@ -16,7 +16,7 @@ using AllQuantizers = std::tuple<quant::Float<half>, quant::Float<bfloat16>, qua
                                  quant::FP8<quant::E4M3FN>, quant::FP8<quant::E5M2>, quant::Int8,
                                  quant::Q8_0, quant::Q4_0, quant::Mixed<quant::Q8_0, quant::Q4_0>, quant::KIVI<4>,
                                  quant::KIVI<2>, quant::KVQuant<4>, quant::KVQuant<3>, quant::KVQuant<2>,
-                                 quant::TurboQuant<8>, quant::TurboQuant<6>, quant::TurboQuant<5>,
+                                 quant::TurboQuant<8>, quant::TurboQuant<7>, quant::TurboQuant<6>, quant::TurboQuant<5>,
                                  quant::TurboQuant<6, quant::TurboVariant::kProd>, quant::QJL<>>;
 
 template <class Q>

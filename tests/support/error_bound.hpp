@@ -28,7 +28,10 @@
 // - TurboQuant-MSE's keys on AVX-512 (kernels/cpu/turboquant_vnni.hpp) take the rotated query Rq
 //   as int8 per head times the centroids as bytes: with n_t the token's norm and C its centroids,
 //   δ_t = n_t·e·‖Rq‖₁ + max|Rq|/254 · (‖R k̂_t‖₁ + d·n_t·e), e the centroids' largest byte
-//   rounding (n_t·C = R k̂_t; kInt8Levels). Its values take KVQuant's int8 weights with the norms
+//   rounding (n_t·C = R k̂_t; kInt8Levels). Prod's and QJL's keys add their sign sums with the
+//   sketched query z = S·(R)q as int8 (summed in fp32 first): f_t·m·max|z|/254 more (and the
+//   fp32 sum's rounding), f_t the token's sign factor
+//   (√(π/2)/d·n_t·γ_t or √(π/2)/m·n_t). Its values take KVQuant's int8 weights with the norms
 //   as ranges: per rotated channel a page's sum moves by at most (page max of p) / 254 ·
 //   2.01·P·(page max of n)·max|C| (each weight by half a step, each level by at most max|C|/254),
 //   and un-rotating spreads that over the channels, at most √d times it on one (kInt8Codes).
@@ -76,11 +79,20 @@ template <int Bits>
 struct IsKVQuantByteLevels<quant::KVQuantValueCodec<Bits>> : std::true_type {};
 
 /// TurboQuant-MSE's planes, whose centroids the VNNI path multiplies as bytes (where every
-/// channel has a 3- or 4-bit code; the bound holds for the fp32 path too).
+/// channel of a 32-channel section has a 4-, 3- or 2-bit code; the bound holds for the fp32 path too).
 template <class Codec>
 struct IsTurboMse : std::false_type {};
 template <Plane kPlane>
 struct IsTurboMse<quant::TurboCodec<quant::TurboVariant::kMse, kPlane>> : std::true_type {};
+
+/// TurboQuant-Prod's and QJL's keys, whose signs the VNNI path multiplies as 0/1 bytes with the
+/// sketched query as int8 (Prod's codes as MSE's).
+template <class Codec>
+struct IsTurboSignKeys : std::false_type {};
+template <>
+struct IsTurboSignKeys<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kKey>> : std::true_type {};
+template <>
+struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
 /// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
 /// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
@@ -94,6 +106,7 @@ Operands operands(bool vnni) {
   if constexpr (IsTurboMse<Codec>::value) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt8Levels : Operands::kInt8Codes;
   }
+  if constexpr (IsTurboSignKeys<Codec>::value) return Operands::kInt8Levels;
   if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
   if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
                 std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
@@ -117,9 +130,10 @@ struct DecodedTokens {
   // KIVI keys: per token, each channel's scale and code (empty for tokens without codes);
   // KVQuant keys: each channel's half-range in key_scales.
   std::vector<std::vector<float>> key_scales, key_codes;
-  // TurboQuant keys: the layer's rotation, and per token its norm n_t and ‖R k̂_t‖₁ (empty for
-  // the tail's tokens).
+  // TurboQuant and QJL keys: the layer's tables, and per token {n_t, ‖n_t·C(code_t)‖₁, the sign
+  // factor f_t} (n_t and the codes' norm 0 for QJL, f_t 0 for MSE; empty for the tail's tokens).
   const quant::turbo_detail::LayerView* turbo_layer = nullptr;
+  bool turbo_qjl = false;  // QJL sketches the query itself, Prod the rotated one
   std::vector<std::vector<double>> turbo_keys;
   double key_level_error = 1.0 / 254.0;  // KVQuant and TurboQuant keys: e above
   // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots; KVQuant
@@ -128,14 +142,17 @@ struct DecodedTokens {
 };
 
 /// The largest distance of a TurboQuant layer's centroid from the kernel's byte copy of it
-/// (byte_levels.hpp: step · round(C / step), step = max|C| / 127 in float), over both widths.
+/// (byte_levels.hpp: step · round(C / step), step = max|C| / 127 in float over both widths, which
+/// share one step).
 inline double turbo_level_error(const quant::turbo_detail::LayerView& v) {
+  float largest = 0.0f;
+  for (const float* centroids : {v.high_centroids, v.low_centroids}) {
+    for (int k = 0; k < quant::turbo_detail::kMaxLevels; ++k) largest = std::max(largest, std::fabs(centroids[k]));
+  }
+  if (largest == 0.0f) return 0.0;
+  const float step = largest / 127.0f;
   double error = 0.0;
   for (const float* centroids : {v.high_centroids, v.low_centroids}) {
-    float largest = 0.0f;
-    for (int k = 0; k < quant::turbo_detail::kMaxLevels; ++k) largest = std::max(largest, std::fabs(centroids[k]));
-    if (largest == 0.0f) continue;
-    const float step = largest / 127.0f;
     for (int k = 0; k < quant::turbo_detail::kMaxLevels; ++k) {
       const double copy = static_cast<double>(step) * static_cast<double>(std::lrint(centroids[k] / step));
       error = std::max(error, std::fabs(centroids[k] - copy));
@@ -151,14 +168,30 @@ void add_key_codes([[maybe_unused]] const Codec& codec, [[maybe_unused]] const t
                    quant::PageGeometry g, const std::byte* plane, int t, DecodedTokens& tokens) {
   std::vector<float> scales, codes;
   std::vector<double> turbo;
-  if constexpr (IsTurboMse<Codec>::value && Codec::kPlane == Plane::kKey) {
-    // The caller has just added the token's decoded key.
-    const quant::turbo_detail::LayerView& v = quant::turbo_detail::layer_view(params, g.head_dim);
-    std::vector<float> rotated(static_cast<std::size_t>(g.head_dim));
-    quant::rotate(v.rotation, tokens.keys.back().data(), rotated.data());
-    double l1 = 0.0;
-    for (float x : rotated) l1 += std::fabs(x);
-    turbo = {quant::turbo_detail::load_half(plane + v.norms_offset(g.page_size) + 2 * static_cast<std::size_t>(t)), l1};
+  if constexpr ((IsTurboMse<Codec>::value && Codec::kPlane == Plane::kKey) || IsTurboSignKeys<Codec>::value) {
+    namespace td = quant::turbo_detail;
+    const td::LayerView& v = td::layer_view(params, g.head_dim);
+    const auto slot = static_cast<std::size_t>(t);
+    const double n = td::load_half(plane + v.norms_offset(g.page_size) + 2 * slot);
+    double codes_l1 = 0.0;  // ‖C(code_t)‖₁: R k̂_t's MSE part over n_t
+    const std::byte* row = plane + v.row_bytes() * slot;
+    for (index_t c = 0; c < g.head_dim; ++c) {
+      const int bits = v.bits_of(c);
+      if (bits == 0) continue;
+      const float* centroids = c < v.high_channels ? v.high_centroids : v.low_centroids;
+      codes_l1 += std::fabs(centroids[td::get_bits(row, v.bit_offset(c), bits)]);
+    }
+    double sign_factor = 0.0;
+    if constexpr (std::is_same_v<Codec, quant::QjlKeyCodec>) {
+      sign_factor = td::kSqrtHalfPi / v.sketch_rows * n;
+      tokens.turbo_qjl = true;
+      turbo = {0.0, 0.0, sign_factor};
+    } else {
+      if constexpr (IsTurboSignKeys<Codec>::value) {
+        sign_factor = td::kSqrtHalfPi / g.head_dim * n * td::load_half(plane + v.gammas_offset(g.page_size) + 2 * slot);
+      }
+      turbo = {n, std::fabs(n) * codes_l1, sign_factor};
+    }
     tokens.turbo_layer = &v;
     tokens.key_level_error = turbo_level_error(v);
   }
@@ -265,15 +298,35 @@ inline double score_error_bound(const DecodedTokens& tokens, std::size_t t, cons
     return qs_max / 65534.0 * codes * scale * (1.0 + 1e-4);  // fp32 products and steps
   }
   if (key_operands == Operands::kInt8Levels && t < tokens.turbo_keys.size() && !tokens.turbo_keys[t].empty()) {
-    std::vector<float> rotated(static_cast<std::size_t>(head_dim));
-    quant::rotate(tokens.turbo_layer->rotation, q, rotated.data());
+    const quant::turbo_detail::LayerView& v = *tokens.turbo_layer;
+    std::vector<float> rotated(q, q + head_dim);
+    if (!tokens.turbo_qjl) quant::rotate(v.rotation, q, rotated.data());
     double l1 = 0.0, largest = 0.0;
     for (float x : rotated) {
       l1 += std::fabs(x);
       largest = std::max(largest, static_cast<double>(std::fabs(x)));
     }
     const double n = std::fabs(tokens.turbo_keys[t][0]), e = tokens.key_level_error;
-    return (n * e * l1 + largest / 254.0 * (tokens.turbo_keys[t][1] + head_dim * n * e)) * scale * (1.0 + 1e-4);
+    double bound = n * e * l1 + largest / 254.0 * (tokens.turbo_keys[t][1] + head_dim * n * e);
+    if (tokens.turbo_keys[t][2] != 0.0) {
+      // The sketched query z = S·(R)q, summed in fp32 (each z_j within δ_j = (d + 16)·2⁻²⁴·Σ_c |S_jc·x_c|)
+      // then int8: each of the m sign products moves by at most δ_j + max|z̃|/254, max|z̃| ≤ max|z| + max δ.
+      double z_max = 0.0, rounding_sum = 0.0, rounding_max = 0.0;
+      for (index_t j = 0; j < v.sketch_rows; ++j) {
+        double z = 0.0, magnitude = 0.0;
+        const float* row = v.sketch + static_cast<std::size_t>(j) * head_dim;
+        for (int c = 0; c < head_dim; ++c) {
+          z += static_cast<double>(row[c]) * rotated[c];
+          magnitude += std::fabs(static_cast<double>(row[c]) * rotated[c]);
+        }
+        const double rounding = (head_dim + 16) * 0x1p-24 * magnitude;
+        z_max = std::max(z_max, std::fabs(z));
+        rounding_sum += rounding;
+        rounding_max = std::max(rounding_max, rounding);
+      }
+      bound += std::fabs(tokens.turbo_keys[t][2]) * (rounding_sum + v.sketch_rows * (z_max + rounding_max) / 254.0);
+    }
+    return bound * scale * (1.0 + 1e-4);
   }
   if (key_operands == Operands::kInt16Levels && t < tokens.key_scales.size() && !tokens.key_scales[t].empty()) {
     double qr_max = 0.0, qr_sum = 0.0;

@@ -86,6 +86,7 @@ inline constexpr double kSqrtHalfPi = 1.2533141373155002512;
 struct LayerView {
   RotationView rotation;          ///< R (TurboQuant); unused by QJL
   const float* sketch = nullptr;  ///< [sketch_rows][dim] row-major, N(0, 1); Prod and QJL
+  const float* sketch_columns = nullptr;  ///< the same transposed, [dim][sketch_rows] (the kernels' S·q)
   index_t dim = 0;
   index_t sketch_rows = 0;        ///< d (Prod), m (QJL), 0 (MSE)
   index_t high_channels = 0;
@@ -126,7 +127,7 @@ struct LayerTables {
   std::uint32_t layer = 0;
   std::uint64_t seed = 0;
   Rotation rotation;
-  std::vector<float> sketch;
+  std::vector<float> sketch, sketch_columns;
   LayerView view;
   const LayerTables* next = nullptr;  ///< the list of TableStore
 };
@@ -198,6 +199,15 @@ inline void fill_codebook(index_t d, int bits, float* centroids, float* boundari
   const double unit = 1.0 / std::sqrt(static_cast<double>(d));
   for (std::size_t i = 0; i < book.centroids.size(); ++i) centroids[i] = static_cast<float>(book.centroids[i] * unit);
   for (std::size_t i = 0; i < book.boundaries.size(); ++i) boundaries[i] = static_cast<float>(book.boundaries[i] * unit);
+}
+
+/// A [rows][dim] matrix as [dim][rows].
+inline std::vector<float> transposed(const std::vector<float>& m, index_t rows, index_t dim) {
+  std::vector<float> t(m.size());
+  for (index_t j = 0; j < rows; ++j) {
+    for (index_t c = 0; c < dim; ++c) t[static_cast<std::size_t>(c) * rows + j] = m[static_cast<std::size_t>(j) * dim + c];
+  }
+  return t;
 }
 
 inline std::vector<float> gaussian_sketch(index_t rows, index_t dim, std::uint64_t seed) {
@@ -327,7 +337,9 @@ class TurboCodec {
       turbo_detail::fill_codebook(d, t.view.low_bits, t.view.low_centroids, t.view.low_boundaries);
       if constexpr (Variant == TurboVariant::kProd) {
         t.sketch = turbo_detail::gaussian_sketch(d, d, derive_seed(p.seed, 0x51ull));
+        t.sketch_columns = turbo_detail::transposed(t.sketch, d, d);
         t.view.sketch = t.sketch.data();
+        t.view.sketch_columns = t.sketch_columns.data();
         t.view.sketch_rows = d;
       }
     });
@@ -467,7 +479,9 @@ class QjlKeyCodec {
     return store_->get(d, p.layer, [&](turbo_detail::LayerTables& t) {
       t.seed = p.seed;
       t.sketch = turbo_detail::gaussian_sketch(sketch_rows(d), d, p.seed);
+      t.sketch_columns = turbo_detail::transposed(t.sketch, sketch_rows(d), d);
       t.view.sketch = t.sketch.data();
+      t.view.sketch_columns = t.sketch_columns.data();
       t.view.sketch_rows = sketch_rows(d);
       t.view.dim = d;
     });

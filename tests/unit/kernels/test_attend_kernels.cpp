@@ -319,21 +319,30 @@ TEMPLATE_TEST_CASE("KVQuant's outlier corrections carry NaN and Inf like the ref
 
 namespace {
 
+using TurboMse2 = kvpack::quant::TurboQuant<4>;
+using TurboMse25 = kvpack::quant::TurboQuant<5>;
 using TurboMse3 = kvpack::quant::TurboQuant<6>;
+using TurboMse35 = kvpack::quant::TurboQuant<7>;
 using TurboMse4 = kvpack::quant::TurboQuant<8>;
+using TurboProd3 = kvpack::quant::TurboQuant<6, kvpack::quant::TurboVariant::kProd>;
 using TurboProd4 = kvpack::quant::TurboQuant<8, kvpack::quant::TurboVariant::kProd, kvpack::quant::TurboVariant::kProd>;
 using TurboHalf25 = kvpack::quant::TurboQuant<5, kvpack::quant::TurboVariant::kProd>;
 using Qjl128 = kvpack::quant::QJL<128, 7>;
+using Qjl2d = kvpack::quant::QJL<>;
 
 }  // namespace
 
 TEMPLATE_TEST_CASE("every ISA matches the reference for TurboQuant and QJL (keys scored in the rotated space)",
-                   "[kernels][cpu][turboquant]", TurboMse3, TurboMse4, TurboProd4, TurboHalf25, Qjl128) {
+                   "[kernels][cpu][turboquant]", TurboMse2, TurboMse25, TurboMse3, TurboMse35, TurboMse4, TurboProd3,
+                   TurboProd4, TurboHalf25, Qjl128, Qjl2d) {
   struct Case {
     index_t page_size, head_dim, pages, tail, group;
   };
   // Power-of-two head_dim (Hadamard) and 96 (dense rotation); more than one 512-token chunk;
   // 4-, 3- and 2-bit sections unpack sliced on AVX2/AVX-512 where whole vectors of units fit.
+  // On AVX-512 with VNNI the integer path takes the MSE codes of 2 to 4 bits, the half rates'
+  // sections where they fall on 32 channels (d = 64, 128), and signs in blocks of 128 (Prod at
+  // d = 128, QJL's m = 128 at every d, m = 2d at 64 and 128); the rest stays on fp32.
   const Case cases[] = {{32, 128, 20, 0, 4}, {32, 128, 3, 17, 8}, {16, 64, 5, 0, 1},
                         {64, 128, 2, 63, 2}, {32, 96, 3, 5, 3},   {16, 128, 0, 9, 4}};
   for (const Case& c : cases) {

@@ -14,8 +14,10 @@
 /// Sᵀ folds in once); the sum is un-rotated once. attend_stream calls the value kernel once per
 /// chunk of 512 tokens, so "once" is once per head per chunk: exact (R is orthogonal, the
 /// softmax's rescaling is linear) and leaves attend_stream and the tail's fp32 sums untouched.
-/// On AVX-512 with VNNI, MSE layers whose every channel has a 4- or 3-bit code skip the fp32
-/// tile: integer products of the centroids as bytes (turboquant_vnni.hpp).
+/// On AVX-512 with VNNI, keys whose MSE codes are 4, 3 or 2 bits (the half rates' two widths in
+/// whole 32-channel sections) and whose signs come in blocks of 128 (Prod, QJL), and MSE values
+/// of those widths, skip the fp32 tiles: integer products of the centroids as bytes and of the
+/// signs as 0/1 bytes (turboquant_vnni.hpp).
 ///
 /// Rotations are computed in double (rotation.hpp; on AVX-512 in vectors, rotate.hpp), so the
 /// rotated query is exact to fp32 rounding. Helpers are always inlined or templated on the arch
@@ -356,18 +358,23 @@ void score_keys(A arch, std::type_identity<quant::TurboCodec<V, Plane::kKey>>,
   float* rotated = tile + static_cast<std::size_t>(P) * d;               // [group][d]: R q
   float* sketched = rotated + static_cast<std::size_t>(args.group) * d;  // [group][d]: S R q
   float* extra = sketched + static_cast<std::size_t>(args.group) * d;    // [group][P] sketch scores, then [P] factors
-  for (index_t h = 0; h < args.group; ++h) {
-    turbo::rotate(arch, v.rotation, args.queries + h * d, rotated + h * d);
-    if constexpr (V == quant::TurboVariant::kProd) {
+  for (index_t h = 0; h < args.group; ++h) turbo::rotate(arch, v.rotation, args.queries + h * d, rotated + h * d);
+#if KVPACK_KERNELS_HAVE_VNNI
+  if constexpr (kKiviVnni<A>) {
+    const auto scale = static_cast<float>(quant::turbo_detail::kSqrtHalfPi / d);
+    const turbo_vnni::SignSketch signs{v.sketch_columns, rotated, d, scale, true};
+    if (turbo_vnni::score_keys(arch, run, v, rotated, V == quant::TurboVariant::kProd ? &signs : nullptr, args.group,
+                               args.scores, args.score_stride, tile)) {
+      return;
+    }
+  }
+#endif
+  if constexpr (V == quant::TurboVariant::kProd) {
+    for (index_t h = 0; h < args.group; ++h) {
       turbo::sketch_rows(v.sketch, 0, d, d, rotated + h * d, sketched + h * d);
       turbo::permute_signs<A>(0, d, sketched + h * d, false);  // the sign tile's order
     }
   }
-#if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (V == quant::TurboVariant::kMse && kKiviVnni<A>) {
-    if (turbo_vnni::score_keys(arch, run, v, rotated, args.group, args.scores, args.score_stride, tile)) return;
-  }
-#endif
   index_t perm[quant::kMaxRotationDim];
   if (turbo::row_order<A>(v, perm)) {
     for (index_t h = 0; h < args.group; ++h) turbo::permute(perm, d, rotated + h * d, false);  // the tile's order
@@ -509,6 +516,13 @@ void score_keys(A arch, std::type_identity<quant::QjlKeyCodec>, const ScoreArgs<
   float* tile = args.scratch;                                          // [P][block]
   float* sketched = tile + static_cast<std::size_t>(P) * d;            // per block: [group][rows] of S q (M ≤ 2d)
   float* extra = sketched + static_cast<std::size_t>(args.group) * M;  // [group][P]
+#if KVPACK_KERNELS_HAVE_VNNI
+  if constexpr (kKiviVnni<A>) {
+    const auto scale = static_cast<float>(quant::turbo_detail::kSqrtHalfPi / M);
+    const turbo_vnni::SignSketch signs{v.sketch_columns, args.queries, M, scale, false};
+    if (turbo_vnni::score_keys(arch, run, v, nullptr, &signs, args.group, args.scores, args.score_stride, tile)) return;
+  }
+#endif
   for (index_t first = 0; first < M; first += block) {
     const index_t rows = std::min<index_t>(block, M - first);
     for (index_t h = 0; h < args.group; ++h) {
