@@ -13,8 +13,10 @@
 // - KIVI-2 and KIVI-4 on AVX-512 (kernels/cpu/kivi_vnni.hpp) quantize the operand that multiplies the raw
 //   codes instead: q·s to int16 per head, so δ_t = max_c |q_c·s_tc| / 65534 · Σ_c code_tc
 //   (kInt16Codes); and w·s to int8 per page, head and channel group with the step
-//   (page max of p) · (group's max s) / 127, so each sum moves by at most (page max of p) / 254 ·
-//   M, M = max_c (max_t s_{t,c}) · Σ_t code_tc over the page (page_code_mass; kInt8Codes).
+//   (page max of p) · (group's max |s|) / 127, so each sum moves by at most (page max of p) / 254 ·
+//   M, M = max_c (max_t |s_{t,c}|) · Σ_t code_tc over the page (page_code_mass; kInt8Codes).
+//   Scales, ranges and norms are taken by magnitude: a page admitted with PageCheck::kFinite may
+//   hold negative ones.
 // - KVQuant's values on AVX-512 (kernels/cpu/kvquant.hpp) take the same int8
 //   weights, w·r with the step (page max of p) · (page max of r) / 127, times the codebook's
 //   levels as bytes, each within max|ℓ|/254 of its level. Per channel the page's sum moves by
@@ -136,8 +138,8 @@ struct DecodedTokens {
   bool turbo_qjl = false;  // QJL sketches the query itself, Prod the rotated one
   std::vector<std::vector<double>> turbo_keys;
   double key_level_error = 1.0 / 254.0;  // KVQuant and TurboQuant keys: e above
-  // KIVI values: per page, M = max_c (max_t s_{t,c}) · Σ_t code_tc over all its slots; KVQuant
-  // values: M = 2·P·(page max of r); TurboQuant values: M = 2.01·√d·P·(page max of n)·max|C|.
+  // KIVI values: per page, M = max_c (max_t |s_{t,c}|) · Σ_t code_tc over all its slots; KVQuant
+  // values: M = 2·P·(page max of |r|); TurboQuant values: M = 2.01·√d·P·(page max of |n|)·max|C|.
   std::vector<double> page_code_mass;
 };
 
@@ -247,7 +249,8 @@ void add_value_code_mass(const Codec&, [[maybe_unused]] const typename Codec::pa
       double scale_max = 0.0, code_sum = 0.0;
       for (int t = 0; t < g.page_size; ++t) {
         const std::size_t meta = (static_cast<std::size_t>(t) * groups + c / Codec::kGroup) * 2;
-        scale_max = std::max(scale_max, static_cast<double>(quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta)));
+        const float scale = quant::kivi_detail::get_half(plane + Codec::scales_offset(g) + meta);
+        scale_max = std::max(scale_max, static_cast<double>(std::fabs(scale)));  // any sign (a kFinite page)
         code_sum += quant::kivi_detail::get_code<IsKiviCodes<Codec>::kBits>(plane + Codec::row_bytes(g) * t, c);
       }
       mass = std::max(mass, scale_max * code_sum);
@@ -256,8 +259,8 @@ void add_value_code_mass(const Codec&, [[maybe_unused]] const typename Codec::pa
   if constexpr (IsKVQuantByteLevels<Codec>::value && Codec::kPlane == Plane::kValue) {
     double range_max = 0.0;
     for (int t = 0; t < g.page_size; ++t) {
-      range_max = std::max(range_max, static_cast<double>(half::from_bits(
-                                          quant::kvquant_detail::get_u16(plane + Codec::ranges_offset(g) + 2 * t))));
+      const std::uint16_t bits = quant::kvquant_detail::get_u16(plane + Codec::ranges_offset(g) + 2 * t);
+      range_max = std::max(range_max, std::fabs(static_cast<double>(half::from_bits(bits))));
     }
     mass = 2.0 * g.page_size * range_max;
   }

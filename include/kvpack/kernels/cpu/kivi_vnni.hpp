@@ -173,16 +173,20 @@ KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t ro
 }
 
 /// One page's weights times per-token scales as int8, in one pass per head: each head's weights
-/// w (≥ 0, rows `weight_stride` apart) times `scales` ([page_size], ≥ 0: KIVI's token scales of
-/// one channel group, KVQuant's token ranges), w8[h][t] · step[h] ≈ w[h][t]·scales[t], with
-/// step[h] = p_max[h] · s_max / 127 from the head's largest weight and the largest scale (a bound
-/// on max w·s, so nothing saturates, found without a reduction per head). Σ_t w·mins[t] is added
-/// to the head's 16 partial sums at `min_sums + h·min_stride`. Neither product is stored in fp32.
+/// w (≥ 0, rows `weight_stride` apart) times `scales` ([page_size]: KIVI's token scales of one
+/// channel group, KVQuant's token ranges, TurboQuant's norms), w8[h][t] · step[h] ≈
+/// w[h][t]·scales[t], with step[h] = p_max[h] · s_max / 127 from the head's largest weight and the
+/// largest |scale| (a bound on max |w·s|, so nothing saturates, found without a reduction per
+/// head). Encoders store scales ≥ 0, but a page admitted with PageCheck::kFinite may hold any
+/// finite ones, and the reference decodes them as they are. Σ_t w·mins[t] is added to the head's
+/// 16 partial sums at `min_sums + h·min_stride`. Neither product is stored in fp32.
 inline void quantize_group_weights(xsimd::avx512bw, const float* weights, index_t weight_stride, index_t group,
                                    index_t page_size, const float* scales, const float* mins, const float* p_max,
                                    float* min_sums, index_t min_stride, std::int8_t* w8, float* step) noexcept {
   __m512 largest = _mm512_setzero_ps();
-  for (index_t t = 0; t < page_size; t += 16) largest = _mm512_max_ps(largest, _mm512_loadu_ps(scales + t));
+  for (index_t t = 0; t < page_size; t += 16) {
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(scales + t)));
+  }
   const float s_max = _mm512_reduce_max_ps(largest);
   for (index_t h = 0; h < group; ++h) {
     const float* w = weights + static_cast<std::size_t>(h) * weight_stride;
