@@ -86,7 +86,7 @@ inline constexpr double kSqrtHalfPi = 1.2533141373155002512;
 struct LayerView {
   RotationView rotation;          ///< R (TurboQuant); unused by QJL
   const float* sketch = nullptr;  ///< [sketch_rows][dim] row-major, N(0, 1); Prod and QJL
-  const float* sketch_columns = nullptr;  ///< the same transposed, [dim][sketch_rows] (the kernels' S·q)
+  const float* sketch_columns = nullptr;  ///< the same transposed, [dim][sketch_rows]: key planes only (S·q)
   index_t dim = 0;
   index_t sketch_rows = 0;        ///< d (Prod), m (QJL), 0 (MSE)
   index_t high_channels = 0;
@@ -337,10 +337,12 @@ class TurboCodec {
       turbo_detail::fill_codebook(d, t.view.low_bits, t.view.low_centroids, t.view.low_boundaries);
       if constexpr (Variant == TurboVariant::kProd) {
         t.sketch = turbo_detail::gaussian_sketch(d, d, derive_seed(p.seed, 0x51ull));
-        t.sketch_columns = turbo_detail::transposed(t.sketch, d, d);
         t.view.sketch = t.sketch.data();
-        t.view.sketch_columns = t.sketch_columns.data();
         t.view.sketch_rows = d;
+        if constexpr (kPlaneOf == Plane::kKey) {  // only the key kernels sketch a query (d² floats)
+          t.sketch_columns = turbo_detail::transposed(t.sketch, d, d);
+          t.view.sketch_columns = t.sketch_columns.data();
+        }
       }
     });
   }

@@ -472,14 +472,21 @@ class ValueSums {
     return true;
   }
 
-  /// rotated[h][perm(c)] += the sums of channel c (perm null: the channel order itself).
+  /// rotated[h][perm(c)] += the sums of channel c (perm null: the channel order itself). d is a
+  /// multiple of 32 (sections are whole 32-channel chunks).
   void finish(float* rotated, const index_t* perm) const noexcept {
     float ordered[quant::kMaxRotationDim];
     for (index_t h = 0; h < group_; ++h) {
+      float* r = rotated + h * d_;
+      if (perm == nullptr) {  // every page took this path: in place, with vectors
+        const __m512 bias = _mm512_set1_ps(bias_[h]);
+        for (index_t c = 0; c < d_; c += 16) _mm512_storeu_ps(r + c, _mm512_add_ps(_mm512_loadu_ps(r + c), bias));
+        add_value_sums_in_order<4, 32, xsimd::avx512bw>(sums_ + h * d_, d_, r);
+        continue;
+      }
       std::fill(ordered, ordered + d_, bias_[h]);
       add_value_sums_in_order<4, 32, xsimd::avx512bw>(sums_ + h * d_, d_, ordered);
-      float* r = rotated + h * d_;
-      for (index_t c = 0; c < d_; ++c) r[perm != nullptr ? perm[c] : c] += ordered[c];
+      for (index_t c = 0; c < d_; ++c) r[perm[c]] += ordered[c];
     }
   }
 
