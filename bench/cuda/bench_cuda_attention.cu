@@ -8,6 +8,7 @@
 // Pages hold codes encoded on the host by each codec's scalar encoder from random data with
 // outlier channels (256 distinct pages, copied across the whole pool on the device). KVQuant is
 // calibrated as in the CPU benches (bench_codecs.hpp), on draws of a similar distribution.
+// TurboQuant-MSE (4 and 3 bits) runs on the generic kernel in its rotated space.
 
 #include <benchmark/benchmark.h>
 
@@ -245,6 +246,8 @@ BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KIVI<2, 32>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KVQuant<4>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KVQuant<3>)->Apply(shapes);
 BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::KVQuant<2>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::TurboQuant<8>)->Apply(shapes);
+BENCHMARK_TEMPLATE(BM_CudaDecodeAttention, quant::TurboQuant<6>)->Apply(shapes);
 
 void encode_shape(benchmark::internal::Benchmark* b) { b->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2); }
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Float<kvpack::half>)->Apply(encode_shape);

@@ -3,12 +3,14 @@
 // launch (pages not filling a split, tail rows only, hundreds of pages), outlier channels, zero
 // rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; which of
 // the two kernels (tensor cores for fp16 and q4_0, generic otherwise) a launch takes; and pages
-// encoded on the device, byte for byte against the host encoders. Without a GPU the binary exits
+// encoded on the device, byte for byte against the host encoders. TurboQuant-MSE is read in its
+// rotated space, with the rotations' own rounding added to the bound. Without a GPU the binary exits
 // with CTest's skip code (77) and says why.
 
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
@@ -102,8 +104,83 @@ struct DeviceRun {
   }
 };
 
+/// What TurboQuant-MSE adds on the device (element_decode.hpp's rotated_space), for one stream:
+/// - keys: the kernel turns each query into the rotated space with M = Rᵀ in fp32, a chain of d
+///   fused multiply-adds per channel that std::fmaf repeats here exactly, and scores the
+///   decoder's rotated keys n·C. Each page score differs from q·k̂ by δ_t, computed here in double
+///   from the same floats (M's rounding, the chain's and the decode's); the normalised weights
+///   then move by a factor within e^{±2δ}, δ = max_t δ_t: 2(e^{2δ} − 1)·max|v̂| on the output.
+/// - values: the pages' sums come back through M = R in fp32 (d products per channel), so each
+///   output channel moves by at most (d + 1)·2⁻²⁴·max_c Σ_j |M_jc| · max|v'| (v' the decoder's
+///   rotated values; the sums are weighted averages of them once normalised).
+template <class Quantizer>
+double rotation_error_bound(const test::StreamFixture<Quantizer>& f, const std::vector<float>& queries,
+                            index_t group) {
+  using KeyCodec = typename Quantizer::key_codec;
+  using ValueCodec = typename Quantizer::value_codec;
+  const quant::PageGeometry g = f.geometry;
+  const index_t d = g.head_dim;
+  const auto row_count = static_cast<std::size_t>(g.page_size) * d;
+  std::vector<float> keys(row_count), values(row_count);
+  double max_value = 0.0;
+  for (float x : f.tail_values) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
+  for (const std::byte* page : f.pages) {
+    f.quantizer.value.decode(g, page + f.value_offset, f.value_params, values.data());
+    for (float x : values) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
+  }
+  double bound = 0.0;
+  if constexpr (gpu::rotated_space<gpu::ElementDecoder<KeyCodec>>) {
+    const auto params = gpu::to_device_params(f.key_params, g, nullptr);
+    const std::vector<float> M =
+        gpu::turbo_transform(quant::turbo_detail::layer_view(f.key_params, d).rotation, d, Plane::kKey);
+    double delta = 0.0;
+    std::vector<float> turned(static_cast<std::size_t>(d));
+    for (index_t h = 0; h < group; ++h) {
+      const float* q = queries.data() + static_cast<std::size_t>(h) * d;
+      for (index_t c = 0; c < d; ++c) {
+        float sum = 0.0f;
+        for (index_t j = 0; j < d; ++j) sum = std::fmaf(M[static_cast<std::size_t>(j) * d + c], q[j], sum);
+        turned[c] = sum;
+      }
+      for (const std::byte* page : f.pages) {
+        f.quantizer.key.decode(g, page, f.key_params, keys.data());
+        for (index_t t = 0; t < g.page_size; ++t) {
+          double device = 0.0, host = 0.0;
+          for (index_t c = 0; c < d; ++c) {
+            device += static_cast<double>(turned[c]) * gpu::ElementDecoder<KeyCodec>::at(page, g, params, t, c);
+            host += static_cast<double>(q[c]) * keys[static_cast<std::size_t>(t) * d + c];
+          }
+          delta = std::max(delta, std::fabs(device - host));
+        }
+      }
+    }
+    bound += 2.0 * std::expm1(2.0 * delta) * max_value;
+  }
+  if constexpr (gpu::rotated_space<gpu::ElementDecoder<ValueCodec>>) {
+    const auto params = gpu::to_device_params(f.value_params, g, nullptr);
+    const std::vector<float> M =
+        gpu::turbo_transform(quant::turbo_detail::layer_view(f.value_params, d).rotation, d, Plane::kValue);
+    double column_mass = 0.0, rotated_max = 0.0;
+    for (index_t c = 0; c < d; ++c) {
+      double mass = 0.0;
+      for (index_t j = 0; j < d; ++j) mass += std::fabs(M[static_cast<std::size_t>(j) * d + c]);
+      column_mass = std::max(column_mass, mass);
+    }
+    for (const std::byte* page : f.pages) {
+      for (index_t t = 0; t < g.page_size; ++t) {
+        for (index_t c = 0; c < d; ++c) {
+          const float v = gpu::ElementDecoder<ValueCodec>::at(page + f.value_offset, g, params, t, c);
+          rotated_max = std::max(rotated_max, static_cast<double>(std::fabs(v)));
+        }
+      }
+    }
+    bound += (d + 1) * 0x1p-24 * (1.0 + 1e-3) * column_mass * rotated_max;
+  }
+  return bound;
+}
+
 /// Every stream within the fp32 bound of support/error_bound.hpp (the device computes in fp32,
-/// in another order than the reference's double).
+/// in another order than the reference's double), plus the rotations' for TurboQuant.
 /// Returns whether the launch ran on the tensor-core kernel.
 template <class Quantizer>
 bool check_against_reference(index_t page_size, index_t head_dim, index_t group, const std::vector<StreamShape>& shapes,
@@ -111,7 +188,8 @@ bool check_against_reference(index_t page_size, index_t head_dim, index_t group,
   const DeviceRun<Quantizer> run(page_size, head_dim, group, shapes, seed);
   for (std::size_t s = 0; s < shapes.size(); ++s) {
     const std::vector<float> expected = run.reference(s);
-    const double bound = test::error_bound(*run.fixtures[s], run.data[s].queries, group, false, nullptr);
+    const double bound = test::error_bound(*run.fixtures[s], run.data[s].queries, group, false, nullptr) +
+                         rotation_error_bound(*run.fixtures[s], run.data[s].queries, group);
     double worst = 0.0;
     for (std::size_t i = 0; i < expected.size(); ++i) {
       const double error = std::fabs(static_cast<double>(run.output(s)[i]) - expected[i]);
@@ -182,6 +260,15 @@ TEST_CASE("CUDA attention matches the reference: KVQuant-2, 3 and 4 with their e
   check_quantizer<quant::KVQuant<4>>();
   check_quantizer<quant::KVQuant<3>>();
   check_quantizer<quant::KVQuant<2>>();
+}
+
+TEST_CASE("CUDA attention matches the reference: TurboQuant-MSE, in its rotated space", "[cuda]") {
+  // 4, 3.5 (sections of 4 and 3 bits), 3 (codes across bytes) and 2.5 bits; head_dim 96 takes
+  // the dense rotation, the others a Hadamard one.
+  check_quantizer<quant::TurboQuant<8>>();
+  check_quantizer<quant::TurboQuant<7>>();
+  check_quantizer<quant::TurboQuant<6>>();
+  check_quantizer<quant::TurboQuant<5>>();
 }
 
 TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {

@@ -85,6 +85,14 @@ struct StreamFixture {
     payload_bytes = (value_offset + quantizer.value.plane_bytes(geometry) + 63) / 64 * 64;
     key_params = quantizer.key.initial_params(0, 0);
     value_params = quantizer.value.initial_params(0, 0);
+    // Per-layer tables (TurboQuant) are built up front, as KVCache does: a stream of tail rows
+    // only still names them (the CUDA backend copies them).
+    if constexpr (requires { quantizer.key.prepare(geometry, key_params); }) {
+      quantizer.key.prepare(geometry, key_params);
+    }
+    if constexpr (requires { quantizer.value.prepare(geometry, value_params); }) {
+      quantizer.value.prepare(geometry, value_params);
+    }
     arena.reset(static_cast<std::byte*>(
         ::operator new[](payload_bytes * std::max<index_t>(page_count, 1), std::align_val_t{64})));
     for (index_t i = 0; i < page_count; ++i) {

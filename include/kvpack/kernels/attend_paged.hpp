@@ -18,17 +18,17 @@
 namespace kvpack::inline v0::kernels {
 
 /// The launch arguments for a codec pair: the parameter types its device kernels take, which are
-/// the codecs' own but for KVQuant's (element_decode.hpp's device_params_t).
+/// the codecs' own but for KVQuant's and TurboQuant's (element_decode.hpp's device_params_t).
 template <class KeyCodec, class ValueCodec>
 using PagedArgs = PagedAttentionArgs<cuda::device_params_t<KeyCodec>, cuda::device_params_t<ValueCodec>>;
 
-/// The codec pairs both backends decode from raw launches: every codec but TurboQuant's and
-/// QJL's, whose rotations these arguments do not carry.
+/// The codec pairs raw launches take: every codec but TurboQuant-Prod's and QJL's, whose sketch
+/// the device kernels do not apply.
 template <class KeyCodec, class ValueCodec>
 concept PagedAttendable = cuda::DeviceDecodable<KeyCodec> && cuda::DeviceDecodable<ValueCodec>;
 
 /// Whether a codec pair's launches carry the codecs' own parameters, which the CPU kernels take
-/// (all but KVQuant's, whose device form holds copies of its tables).
+/// (all but KVQuant's and TurboQuant's, whose device forms hold copies of their tables).
 template <class KeyCodec, class ValueCodec>
 inline constexpr bool kHostParams =
     std::is_same_v<cuda::device_params_t<KeyCodec>, typename KeyCodec::params_type> &&
@@ -132,9 +132,9 @@ void check_streams_on_host(const Args& a, index_t max_pages) {
 /// count and page addresses (payloads 64-byte aligned, as the cache's pool lays them out).
 /// Device memory: the CUDA backend, asynchronously on `stream` (a cudaStream_t; synchronise it
 /// before reading `out`); the device arrays are not read on the host, so only the shape and
-/// codec checks run. kUnsupported where that backend cannot take the launch: KVQuant's device
-/// parameters on the CPU (attend through a KVCache there), a program without kvpack::cuda, or
-/// a codec pair kvpack::cuda does not precompile.
+/// codec checks run. kUnsupported where that backend cannot take the launch: KVQuant's or
+/// TurboQuant's device parameters on the CPU (attend through a KVCache there), a program
+/// without kvpack::cuda, or a codec pair kvpack::cuda does not precompile.
 template <quant::Codec KeyCodec, quant::Codec ValueCodec>
   requires PagedAttendable<KeyCodec, ValueCodec>
 void attend_paged(const PagedArgs<KeyCodec, ValueCodec>& args, index_t max_pages, PagedWorkspace& workspace,

@@ -1,7 +1,7 @@
-// Must not compile: a raw paged launch (kernels::attend_paged) over TurboQuant pages, whose
-// rotations the launch arguments do not carry. Expected: the PagedAttendable constraint on
-// attend_paged is not satisfied. With KVPACK_COMPILE_FAIL_CONTROL the pages are q4_0's and the
-// file must compile.
+// Must not compile: a raw paged launch (kernels::attend_paged) over QJL key pages, whose sketch
+// the device kernels do not apply (TurboQuant-MSE pages are accepted: their launches carry the
+// rotation). Expected: the PagedAttendable constraint on attend_paged is not satisfied. With
+// KVPACK_COMPILE_FAIL_CONTROL the pages are TurboQuant-MSE's and the file must compile.
 
 #include "kvpack/kernels/attend_paged.hpp"
 #include "kvpack/kvpack.hpp"
@@ -9,9 +9,9 @@
 namespace kv = kvpack;
 
 #ifdef KVPACK_COMPILE_FAIL_CONTROL
-using Policy = kv::quant::Q4_0;
-#else
 using Policy = kv::quant::TurboQuant<4>;
+#else
+using Policy = kv::quant::QJL<>;
 #endif
 using K = Policy::key_codec;
 using V = Policy::value_codec;

@@ -1,5 +1,6 @@
 // The CUDA kernels' per-element and per-pair decoders (kernels/cuda/element_decode.hpp),
-// compiled for the host, against every supported codec's scalar decode on the same page bytes: bit for bit, on
+// compiled for the host, against every supported codec's scalar decode on the same page bytes: bit for bit
+// (TurboQuant-MSE: its rotated rows, and through the device's transforms within float rounding), on
 // random pages with outlier channels, zero rows, extreme magnitudes and (where the format can
 // hold them) NaN and Inf. Runs without a GPU, so a layout mismatch is caught in every CI run.
 
@@ -146,7 +147,98 @@ TEST_CASE("KIVI's per-token key ablation decodes element-wise too", "[cuda][deco
   check_codec(quant::KiviTokenCodec<4, 32, Plane::kKey>{}, {}, {64, 64}, false);
 }
 
+namespace {
+
+/// TurboQuant-MSE's decoder gives rotated rows (element_decode.hpp). Checked against the codec:
+/// - bit for bit against n_t·C(code) from the codec's own decode_rotated;
+/// - through the matrix the device kernels apply (turbo_transform, y = Mᵀx): a value row turned
+///   back, Rᵀ(n·C), equals the scalar decode, and a query turned in, R q, scores every key as
+///   q·(decoded key) does, within the float rounding of M's entries, of n·C and of the decode.
+template <class Codec>
+void check_turbo_codec(const Codec& codec, quant::PageGeometry g) {
+  using Decoder = kernels::cuda::ElementDecoder<Codec>;
+  static_assert(kernels::cuda::rotated_space<Decoder>);
+  const index_t d = g.head_dim;
+  const auto host = codec.initial_params(0, 0);
+  const std::vector<float> rows = adversarial_rows(g.page_size, d, codec.max_abs_input(), false, 19);
+  std::vector<std::byte> plane(codec.plane_bytes(g) + 64);
+  codec.encode(g, rows.data(), d, host, plane.data());
+  std::vector<float> decoded(static_cast<std::size_t>(g.page_size) * d);
+  codec.decode(g, plane.data(), host, decoded.data());
+  const quant::turbo_detail::LayerView& view = quant::turbo_detail::layer_view(host, d);
+  const auto params = kernels::cuda::to_device_params(host, g, nullptr);
+  const std::vector<float> M = kernels::cuda::turbo_transform(view.rotation, d, Codec::kPlane);
+  const std::vector<float> query = test::random_rows(1, d, 23, 2, 8.0f);
+  std::vector<double> turned_query(static_cast<std::size_t>(d), 0.0), query_mass(static_cast<std::size_t>(d), 0.0);
+  for (index_t j = 0; j < d; ++j) {
+    for (index_t c = 0; c < d; ++c) {
+      turned_query[c] += static_cast<double>(M[static_cast<std::size_t>(j) * d + c]) * query[j];
+      query_mass[c] += std::fabs(static_cast<double>(M[static_cast<std::size_t>(j) * d + c]) * query[j]);
+    }
+  }
+  constexpr double kUlp = 0x1p-24;
+  int mismatches = 0, beyond_bound = 0;
+  std::vector<float> centroids(static_cast<std::size_t>(d)), rotated(static_cast<std::size_t>(d));
+  for (index_t t = 0; t < g.page_size; ++t) {
+    codec.decode_rotated(g, plane.data(), view, t, centroids.data());
+    const float norm = quant::turbo_detail::load_half(plane.data() + view.norms_offset(g.page_size) + 2 * t);
+    for (index_t c = 0; c < d; ++c) {
+      rotated[c] = Decoder::at(plane.data(), g, params, t, c);
+      if (!same_float(rotated[c], centroids[c] * norm)) ++mismatches;
+    }
+    const float* x = decoded.data() + static_cast<std::size_t>(t) * d;
+    if constexpr (Codec::kPlane == Plane::kValue) {
+      for (index_t c = 0; c < d; ++c) {
+        double back = 0.0, mass = 0.0;
+        for (index_t j = 0; j < d; ++j) {
+          back += static_cast<double>(M[static_cast<std::size_t>(j) * d + c]) * rotated[j];
+          mass += std::fabs(static_cast<double>(M[static_cast<std::size_t>(j) * d + c]) * rotated[j]);
+        }
+        if (std::fabs(back - x[c]) > 4 * kUlp * (mass + std::fabs(x[c])) + 1e-30) ++beyond_bound;
+      }
+    } else {
+      double device_score = 0.0, host_score = 0.0, mass = 0.0;
+      for (index_t c = 0; c < d; ++c) {
+        device_score += turned_query[c] * rotated[c];
+        host_score += static_cast<double>(query[c]) * x[c];
+        mass += query_mass[c] * std::fabs(rotated[c]) + std::fabs(static_cast<double>(query[c]) * x[c]);
+      }
+      if (std::fabs(device_score - host_score) > 4 * kUlp * mass + 1e-30) ++beyond_bound;
+    }
+  }
+  INFO(Codec::kName << " page_size " << g.page_size << " head_dim " << d);
+  CHECK(mismatches == 0);
+  CHECK(beyond_bound == 0);
+}
+
+template <class Quantizer>
+void check_turbo(std::vector<quant::PageGeometry> geometries) {
+  const Quantizer q = test::make_quantizer<Quantizer>(geometries.front().head_dim);
+  for (const quant::PageGeometry g : geometries) {
+    check_turbo_codec(q.key, g);
+    check_turbo_codec(q.value, g);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("CUDA element decoders read TurboQuant-MSE's rotated rows, which its transforms turn like the host",
+          "[cuda][decode][turboquant]") {
+  // Hadamard rotations (64, 128) and a dense one (96); 4-, 3- (codes across bytes) and 2-bit
+  // codes, and the half rates' two widths.
+  for (const index_t d : {128, 96, 64}) {
+    const std::vector<quant::PageGeometry> shapes{{32, d}, {16, d}};
+    check_turbo<quant::TurboQuant<8>>(shapes);
+    check_turbo<quant::TurboQuant<7>>(shapes);
+    check_turbo<quant::TurboQuant<6>>(shapes);
+    check_turbo<quant::TurboQuant<5>>(shapes);
+    check_turbo<quant::TurboQuant<4>>(shapes);
+  }
+}
+
 static_assert(kernels::cuda::DeviceDecodable<quant::Q4_0Codec<Plane::kKey>>);
 static_assert(kernels::cuda::DeviceDecodable<quant::KVQuantKeyCodec<3>>);
-static_assert(!kernels::cuda::DeviceDecodable<quant::TurboQuant<8>::key_codec>,
-              "TurboQuant is not on the device yet: its entry points must reject it at compile time");
+static_assert(kernels::cuda::DeviceDecodable<quant::TurboQuant<8>::key_codec>);
+static_assert(!kernels::cuda::DeviceDecodable<quant::TurboQuant<6, quant::TurboVariant::kProd>::key_codec> &&
+                  !kernels::cuda::DeviceDecodable<quant::QJL<>::key_codec>,
+              "Prod's and QJL's sketch is not on the device yet: its entry points must reject them at compile time");

@@ -1,7 +1,8 @@
 #pragma once
 /// \file device_params.cuh
 /// \brief Codec parameters made readable by the device: most codecs' parameters are plain values
-///        and cross unchanged; KVQuant's point into host tables, whose per-channel key ranges
+///        and cross unchanged; KVQuant's and TurboQuant's point into host tables, whose parts the
+///        kernels read (KVQuant's per-channel key ranges, TurboQuant's rotation as a d×d matrix)
 ///        are copied to device memory here (element_decode.hpp defines the device forms).
 
 #include <cstddef>
@@ -30,6 +31,15 @@ class DeviceParamTables {
       return to_device_params(host, g, device, device + g.head_dim);
     } else if constexpr (std::is_same_v<Device, KVQuantDeviceValueParams>) {
       return to_device_params(host, g);
+    } else if constexpr (std::is_same_v<Device, TurboDeviceParams>) {
+      // Checks the tables exist before anything is allocated.
+      TurboDeviceParams params = to_device_params(host, g, nullptr);
+      const std::vector<float> matrix =
+          turbo_transform(quant::turbo_detail::layer_view(host, g.head_dim).rotation, g.head_dim, Codec::kPlane);
+      tables_.reserve(tables_.size() + 1);
+      tables_.emplace_back(std::span<const float>(matrix));
+      params.transform = tables_.back().data();
+      return params;
     } else {
       static_assert(std::is_same_v<Device, typename Codec::params_type>);
       return host;

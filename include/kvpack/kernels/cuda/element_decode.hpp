@@ -17,15 +17,22 @@
 /// such a pair side by side (fp16 and FP8 planes) reads it with one load; for the others the
 /// pair is two `at` calls.
 ///
-/// A codec whose parameters point into host tables (KVQuant) has a device form of them,
-/// `device_params_t<Codec>`, with the tables copied to the device; every other codec's
+/// A codec whose parameters point into host tables (KVQuant, TurboQuant) has a device form of
+/// them, `device_params_t<Codec>`, with the tables copied to the device; every other codec's
 /// parameters are plain values and cross unchanged.
+///
+/// TurboQuant-MSE's decoder gives the element of the *rotated* row, n_t·C(code): the inverse
+/// rotation mixes every channel, so no single element of the stored vector can be read on its
+/// own. Its decoder says so (`rotated_space`), and the kernels then turn the query into that space
+/// once per block and the pages' value sums back out of it (paged_attention.cuh); q·k and the
+/// softmax weights are the same in either space, R being orthogonal.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kvpack/config.hpp"
 #include "kvpack/core/fp8.hpp"
@@ -38,6 +45,7 @@
 #include "kvpack/quant/q4_0.hpp"
 #include "kvpack/quant/q8_0.hpp"
 #include "kvpack/quant/tile_layout.hpp"
+#include "kvpack/quant/turboquant.hpp"
 
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
@@ -363,6 +371,92 @@ struct ElementDecoder<quant::KVQuantValueCodec<Bits>> {
     return level * half_range + offset;
   }
 };
+
+/// TurboQuant-MSE's parameters as the device reads them: the layer's two codebooks and code
+/// widths by value, where the norms lie, and the device address of a d×d matrix M (row-major)
+/// that the kernels apply as y = Mᵀx: Rᵀ on a key plane (the query into the rotated space), R on
+/// a value plane (the sums back out of it).
+struct TurboDeviceParams {
+  const float* transform = nullptr;  ///< M, [head_dim][head_dim], device memory
+  float centroids[2][16] = {};       ///< the high and low channels' levels
+  std::uint32_t high_channels = 0;
+  std::uint32_t high_bits = 0;
+  std::uint32_t low_bits = 0;
+  std::uint32_t row_bytes = 0;
+  std::uint32_t norms_offset = 0;
+};
+template <Plane P>
+struct DeviceParams<quant::TurboCodec<quant::TurboVariant::kMse, P>> {
+  using type = TurboDeviceParams;
+};
+
+/// The device form of a TurboQuant-MSE plane's parameters, with M at `transform`. The layer's
+/// tables must exist (a page encoded, or the codec's `prepare` called, as KVCache does).
+inline TurboDeviceParams to_device_params(const quant::turbo_detail::Params& host, quant::PageGeometry g,
+                                          const float* transform) {
+  const quant::turbo_detail::LayerTables* tables =
+      host.store != nullptr ? host.store->find(g.head_dim, host.layer) : nullptr;
+  KVPACK_CHECK(tables != nullptr, kInvalidArgument,
+               ::kvpack::detail::message("TurboQuant's tables for head_dim ", g.head_dim, ", layer ", host.layer,
+                                         " are not built: encode a page or call the codec's prepare first"));
+  const quant::turbo_detail::LayerView& v = tables->view;
+  TurboDeviceParams out;
+  out.transform = transform;
+  std::copy(v.high_centroids, v.high_centroids + 16, out.centroids[0]);
+  std::copy(v.low_centroids, v.low_centroids + 16, out.centroids[1]);
+  out.high_channels = static_cast<std::uint32_t>(v.high_channels);
+  out.high_bits = static_cast<std::uint32_t>(v.high_bits);
+  out.low_bits = static_cast<std::uint32_t>(v.low_bits);
+  out.row_bytes = static_cast<std::uint32_t>(v.row_bytes());
+  out.norms_offset = static_cast<std::uint32_t>(v.norms_offset(g.page_size));
+  return out;
+}
+
+/// The matrix M of TurboDeviceParams for a plane, row-major: the kernels form y = Mᵀx, so M's
+/// row j is R e_j on a key plane (M = Rᵀ: y = R q) and Rᵀ e_j on a value plane (M = R: y = Rᵀ s).
+/// Built with the host's rotation (double inside, each entry rounded to float once).
+inline std::vector<float> turbo_transform(const quant::RotationView& rotation, index_t d, Plane plane) {
+  std::vector<float> matrix(static_cast<std::size_t>(d) * d);
+  std::vector<float> unit(static_cast<std::size_t>(d), 0.0f);
+  for (index_t j = 0; j < d; ++j) {
+    unit[static_cast<std::size_t>(j)] = 1.0f;
+    float* row = matrix.data() + static_cast<std::size_t>(j) * d;
+    if (plane == Plane::kKey) {
+      quant::rotate(rotation, unit.data(), row);
+    } else {
+      quant::unrotate(rotation, unit.data(), row);
+    }
+    unit[static_cast<std::size_t>(j)] = 0.0f;
+  }
+  return matrix;
+}
+
+/// TurboQuant-MSE: channel c of token t's rotated row, n_t·C(code_tc), high channels first in
+/// the row's bits (least significant first; a 3-bit code may span two bytes).
+template <Plane P>
+struct ElementDecoder<quant::TurboCodec<quant::TurboVariant::kMse, P>> {
+  static constexpr bool kSupported = true;
+  static constexpr bool kRotatedSpace = true;
+  KVPACK_HOST_DEVICE static float at(const std::byte* plane, quant::PageGeometry, const TurboDeviceParams& p,
+                                     index_t t, index_t c) noexcept {
+    const auto channel = static_cast<std::uint32_t>(c);
+    const bool high = channel < p.high_channels;
+    const std::uint32_t bits = high ? p.high_bits : p.low_bits;
+    const std::uint32_t bit =
+        high ? channel * p.high_bits : p.high_channels * p.high_bits + (channel - p.high_channels) * p.low_bits;
+    const std::byte* row = plane + static_cast<std::size_t>(p.row_bytes) * t;
+    unsigned word = static_cast<unsigned>(row[bit / 8]);
+    if (bit % 8 + bits > 8) word |= static_cast<unsigned>(row[bit / 8 + 1]) << 8;
+    const unsigned code = (word >> (bit % 8)) & ((1u << bits) - 1u);
+    const float norm = decode_detail::half_to_float(
+        decode_detail::load<std::uint16_t>(plane + p.norms_offset + 2 * static_cast<std::size_t>(t)));
+    return p.centroids[high ? 0 : 1][code] * norm;
+  }
+};
+
+/// Whether a decoder's elements are those of a rotated row (see the file comment).
+template <class Decoder>
+inline constexpr bool rotated_space = requires { Decoder::kRotatedSpace; };
 
 /// Tokens t and t + 1 (t even) of key channel c.
 template <class Decoder, class Params>

@@ -12,6 +12,10 @@
 /// ElementDecoder, two at a time and once for all heads of the pass. The last split also reads the
 /// stream's full-precision tail rows. A second kernel merges the splits' (max, sum, acc).
 ///
+/// Codecs whose decoders give rotated rows (TurboQuant-MSE, element_decode.hpp's rotated_space)
+/// take the query into that space once per block and bring the pages' value sums back out of it
+/// before the tail rows, which are stored as they came, add theirs.
+///
 /// This is the generic kernel: attend_paged sends codec pairs with tensor-core tiles (fp16, q4_0)
 /// to mma_attention.cuh instead when the launch's shape fits it, and merges either with
 /// combine_kernel.
@@ -91,6 +95,20 @@ __device__ __forceinline__ void load_heads(const float* p, float (&heads)[G]) {
   }
 }
 
+/// y[c][h] = Σ_j M[j][c]·x[j][h] for c < d and the G heads (M row-major [d][d] in global memory,
+/// x and y head-minor [d][G] in shared memory). Every thread of the block takes part;
+/// consecutive threads read consecutive columns of M. fp32 sums of d products.
+template <int G>
+__device__ void transform_heads(const float* M, index_t d, const float* x, float* y) {
+  for (index_t i = threadIdx.x; i < G * d; i += kThreads) {
+    const index_t h = i / d;
+    const index_t c = i % d;
+    float sum = 0.0f;
+    for (index_t j = 0; j < d; ++j) sum = fmaf(M[static_cast<std::size_t>(j) * d + c], x[j * G + h], sum);
+    y[c * G + h] = sum;
+  }
+}
+
 /// One split of one stream for heads [pass·G, pass·G + G) of the group: writes its running
 /// max, sum and unnormalised accumulator to the partial buffers.
 template <class KeyDecoder, class ValueDecoder, int G, class KeyParams, class ValueParams>
@@ -119,6 +137,11 @@ __global__ void __launch_bounds__(kThreads)
   float* run_max = weights + G * T;                                         // [G]
   float* run_sum = run_max + G;
   float* rescale = run_sum + G;
+  // Rotated codecs: the query as given (for the tail rows) and the pages' value sums, [d][G] each.
+  constexpr bool kRotatedKeys = rotated_space<KeyDecoder>;
+  constexpr bool kRotatedValues = rotated_space<ValueDecoder>;
+  float* row_query = rescale + G;
+  float* value_sums = row_query + (kRotatedKeys ? G * d : 0);
 
   const index_t first = a.first_page[stream];
   const index_t count = a.first_page[stream + 1] - first;
@@ -129,10 +152,16 @@ __global__ void __launch_bounds__(kThreads)
   const index_t page_steps = (page_end - page_begin + plan.step_pages - 1) / plan.step_pages;
   const index_t steps = page_steps + (tail_rows + T - 1) / T;
 
+  float* given = kRotatedKeys ? row_query : q;
   for (index_t i = threadIdx.x; i < G * d; i += kThreads) {
     const index_t h = i / d;
     const index_t c = i % d;
-    q[c * G + h] = h < heads ? a.queries[(static_cast<std::size_t>(stream) * a.group + first_head + h) * d + c] : 0.0f;
+    const std::size_t row = static_cast<std::size_t>(stream) * a.group + first_head + h;
+    given[c * G + h] = h < heads ? a.queries[row * d + c] : 0.0f;
+  }
+  if constexpr (kRotatedKeys) {
+    __syncthreads();
+    transform_heads<G>(key_params.transform, d, row_query, q);  // R q
   }
   // Work is done on pairs (ElementDecoder's token_pair and channel_pair), so each read can cover
   // two elements. This thread's value channels (channel, channel + 1) and token lane: it
@@ -168,6 +197,39 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   };
+  // Rotated values: the pages' sums Σ w·(R v) become Rᵀ of them, in every thread's registers (the
+  // token lanes summed into lane 0), before the tail's rows add theirs. Block-wide, through the
+  // staging memory, which no page step needs any more.
+  [[maybe_unused]] auto turn_back_values = [&] {
+    if constexpr (kRotatedValues) {  // value_params has a transform
+      float* lanes = reinterpret_cast<float*>(shared);  // [value_lanes][G][d]
+      if (accumulates) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          lanes[(lane_of_tokens * G + h) * d + channel] = acc[h][0];
+          lanes[(lane_of_tokens * G + h) * d + channel + 1] = acc[h][1];
+        }
+      }
+      __syncthreads();
+      for (index_t i = threadIdx.x; i < G * d; i += kThreads) {  // [d][G], as transform_heads reads it
+        float total = 0.0f;
+        for (index_t lane = 0; lane < plan.value_lanes; ++lane) total += lanes[lane * G * d + i];
+        value_sums[(i % d) * G + i / d] = total;
+      }
+      __syncthreads();
+      transform_heads<G>(value_params.transform, d, value_sums, lanes);  // Rᵀ s, into lanes as [d][G]
+      __syncthreads();
+      if (accumulates) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          acc[h][0] = lane_of_tokens == 0 ? lanes[channel * G + h] : 0.0f;
+          acc[h][1] = lane_of_tokens == 0 ? lanes[(channel + 1) * G + h] : 0.0f;
+        }
+      }
+      __syncthreads();  // the lanes are written again below
+    }
+  };
+
   stage(0);
   __pipeline_commit();
 
@@ -176,6 +238,9 @@ __global__ void __launch_bounds__(kThreads)
     __pipeline_commit();
     __pipeline_wait_prior(1);
     __syncthreads();
+    if constexpr (kRotatedValues) {
+      if (step == page_steps && page_steps > 0) turn_back_values();
+    }
 
     const bool paged = step < page_steps;
     const std::byte* tile = staging(step);
@@ -194,9 +259,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int h = 0; h < G; ++h) s0[h] = s1[h] = 0.0f;
       const index_t c_end = min(d, (part + 1) * share);
+      const float* query = paged ? q : given;  // the tail's rows are not rotated
       auto add = [&](index_t c, ElementPair k) {
         float qc[G];
-        load_heads<G>(q + c * G, qc);
+        load_heads<G>(query + c * G, qc);
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           s0[h] = fmaf(qc[h], k.first, s0[h]);
@@ -294,6 +360,9 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the next step stages into the buffer this one read
   }
 
+  if constexpr (kRotatedValues) {
+    if (steps == page_steps && page_steps > 0) turn_back_values();  // no tail steps came after the pages
+  }
   // Sum the token lanes (through the staging memory, free now) and write the split's partials.
   float* lane_sums = reinterpret_cast<float*>(shared);  // [value_lanes][G][d]
   if (accumulates) {
@@ -426,8 +495,10 @@ inline const DeviceLimits& device_limits() {
 
 /// The launch shape for these arguments on the current device: enough blocks to keep every
 /// multiprocessor streaming (about kBlocksPerSm per SM), no split shorter than two pages.
+/// `rotated_planes` (0 to 2) adds the rotated codecs' [d][G] arrays to the shared memory.
 template <class KeyParams, class ValueParams>
-attention_detail::LaunchPlan plan_launch(const PagedAttentionArgs<KeyParams, ValueParams>& a, index_t max_pages_per_stream) {
+attention_detail::LaunchPlan plan_launch(const PagedAttentionArgs<KeyParams, ValueParams>& a,
+                                         index_t max_pages_per_stream, index_t rotated_planes = 0) {
   using namespace attention_detail;
   LaunchPlan plan;
   plan.step_pages = std::clamp<index_t>(static_cast<index_t>(kStepBytes / a.payload_bytes), 1,
@@ -442,7 +513,8 @@ attention_detail::LaunchPlan plan_launch(const PagedAttentionArgs<KeyParams, Val
   plan.passes = (a.group + kMaxHeads - 1) / kMaxHeads;
   plan.staging_bytes = static_cast<std::size_t>(plan.step_pages) * a.payload_bytes;
   const std::size_t G = static_cast<std::size_t>(std::min<index_t>(heads_per_pass(a.group), kMaxHeads));
-  const std::size_t floats = G * a.head_dim + static_cast<std::size_t>(plan.threads_per_token + 1) * G * plan.step_tokens + 3 * G;
+  const std::size_t floats = (1 + static_cast<std::size_t>(rotated_planes)) * G * a.head_dim +
+                             static_cast<std::size_t>(plan.threads_per_token + 1) * G * plan.step_tokens + 3 * G;
   // The staging buffers are reused for the token lanes' sums at the end.
   const std::size_t staging = std::max(2 * plan.staging_bytes, plan.value_lanes * G * a.head_dim * sizeof(float));
   plan.floats_offset = (staging + 15) / 16 * 16;
@@ -466,7 +538,9 @@ index_t launch_generic_attention(const Args& a, index_t max_pages, AttentionWork
   using namespace attention_detail;
   using KP = device_params_t<KeyCodec>;
   using VP = device_params_t<ValueCodec>;
-  const LaunchPlan plan = plan_launch(a, max_pages);
+  const index_t rotated_planes = (rotated_space<ElementDecoder<KeyCodec>> ? 1 : 0) +
+                                 (rotated_space<ElementDecoder<ValueCodec>> ? 1 : 0);
+  const LaunchPlan plan = plan_launch(a, max_pages, rotated_planes);
   workspace.reserve(static_cast<std::size_t>(a.streams) * plan.splits * a.group, a.head_dim);
 
   auto launch = [&](auto heads) {
