@@ -197,33 +197,41 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   };
+  // The token lanes' accumulators, summed through the staging memory (once the pages are read):
+  // store_lanes() writes every thread's channel pair, lane_total(i) adds element i = h·d + c of
+  // all lanes.
+  float* lane_sums = reinterpret_cast<float*>(shared);  // [value_lanes][G][d]
+  auto store_lanes = [&] {
+    if (accumulates) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        lane_sums[(lane_of_tokens * G + h) * d + channel] = acc[h][0];
+        lane_sums[(lane_of_tokens * G + h) * d + channel + 1] = acc[h][1];
+      }
+    }
+    __syncthreads();
+  };
+  auto lane_total = [&](index_t i) {
+    float total = 0.0f;
+    for (index_t lane = 0; lane < plan.value_lanes; ++lane) total += lane_sums[lane * G * d + i];
+    return total;
+  };
   // Rotated values: the pages' sums Σ w·(R v) become Rᵀ of them, in every thread's registers (the
-  // token lanes summed into lane 0), before the tail's rows add theirs. Block-wide, through the
-  // staging memory, which no page step needs any more.
+  // token lanes summed into lane 0), before the tail's rows add theirs.
   [[maybe_unused]] auto turn_back_values = [&] {
     if constexpr (kRotatedValues) {  // value_params has a transform
-      float* lanes = reinterpret_cast<float*>(shared);  // [value_lanes][G][d]
-      if (accumulates) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          lanes[(lane_of_tokens * G + h) * d + channel] = acc[h][0];
-          lanes[(lane_of_tokens * G + h) * d + channel + 1] = acc[h][1];
-        }
-      }
-      __syncthreads();
+      store_lanes();
       for (index_t i = threadIdx.x; i < G * d; i += kThreads) {  // [d][G], as transform_heads reads it
-        float total = 0.0f;
-        for (index_t lane = 0; lane < plan.value_lanes; ++lane) total += lanes[lane * G * d + i];
-        value_sums[(i % d) * G + i / d] = total;
+        value_sums[(i % d) * G + i / d] = lane_total(i);
       }
       __syncthreads();
-      transform_heads<G>(value_params.transform, d, value_sums, lanes);  // Rᵀ s, into lanes as [d][G]
+      transform_heads<G>(value_params.transform, d, value_sums, lane_sums);  // Rᵀ s, as [d][G]
       __syncthreads();
       if (accumulates) {
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-          acc[h][0] = lane_of_tokens == 0 ? lanes[channel * G + h] : 0.0f;
-          acc[h][1] = lane_of_tokens == 0 ? lanes[(channel + 1) * G + h] : 0.0f;
+          acc[h][0] = lane_of_tokens == 0 ? lane_sums[channel * G + h] : 0.0f;
+          acc[h][1] = lane_of_tokens == 0 ? lane_sums[(channel + 1) * G + h] : 0.0f;
         }
       }
       __syncthreads();  // the lanes are written again below
@@ -363,22 +371,10 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kRotatedValues) {
     if (steps == page_steps && page_steps > 0) turn_back_values();  // no tail steps came after the pages
   }
-  // Sum the token lanes (through the staging memory, free now) and write the split's partials.
-  float* lane_sums = reinterpret_cast<float*>(shared);  // [value_lanes][G][d]
-  if (accumulates) {
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      lane_sums[(lane_of_tokens * G + h) * d + channel] = acc[h][0];
-      lane_sums[(lane_of_tokens * G + h) * d + channel + 1] = acc[h][1];
-    }
-  }
-  __syncthreads();
+  // Sum the token lanes (the staging memory is free now) and write the split's partials.
+  store_lanes();
   const std::size_t row = (static_cast<std::size_t>(stream) * gridDim.x + split) * a.group + first_head;
-  for (index_t i = threadIdx.x; i < heads * d; i += kThreads) {
-    float total = 0.0f;
-    for (index_t lane = 0; lane < plan.value_lanes; ++lane) total += lane_sums[lane * G * d + i];
-    part_acc[row * d + i] = total;
-  }
+  for (index_t i = threadIdx.x; i < heads * d; i += kThreads) part_acc[row * d + i] = lane_total(i);
   if (threadIdx.x < heads) {
     part_max[row + threadIdx.x] = run_max[threadIdx.x];
     part_sum[row + threadIdx.x] = run_sum[threadIdx.x];
