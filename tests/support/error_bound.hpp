@@ -358,7 +358,9 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
     delta = std::max(delta, score_error_bound(tokens, t, q, head_dim, scale, key_operands));
   }
   double bound = 1e-5 * max_value + 1e-6;
-  if (delta > 0.0) bound += 2.0 * std::expm1(2.0 * delta) * max_value;
+  // A δ large enough to overflow e^{2δ} leaves the bound infinite, never NaN: the factors below
+  // multiply terms that may be 0 (no value, or pages whose weights all underflowed).
+  if (delta > 0.0 && max_value > 0.0) bound += 2.0 * std::expm1(2.0 * delta) * max_value;
   if (value_operands != Operands::kFloat && !scores.empty()) {
     const double k_max = value_operands == Operands::kInt16 ? 32767.0 : 127.0;
     const double top = *std::max_element(scores.begin(), scores.end());
@@ -375,7 +377,7 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
                            ? page_max_p[i] / 254.0 * tokens.page_code_mass[i] * (1.0 + 1e-4)
                            : tokens.page_size * 0.5 / k_max * page_max_p[i] * tokens.page_max_value[i];
     }
-    bound += std::exp(4.0 * delta) * weights_error / l;
+    if (weights_error > 0.0) bound += std::exp(4.0 * delta) * weights_error / l;
   }
   return bound;
 }
