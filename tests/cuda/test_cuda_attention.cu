@@ -3,7 +3,8 @@
 // launch (pages not filling a split, tail rows only, hundreds of pages), outlier channels, zero
 // rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; which of
 // the two kernels (tensor cores for fp16 and q4_0, generic otherwise) a launch takes; and pages
-// encoded on the device, byte for byte against the host encoders. TurboQuant-MSE is read in its
+// encoded on the device, byte for byte against the host encoders; tokens appended to a mirrored
+// layer on the device next to the host cache taking the same ones. TurboQuant-MSE is read in its
 // rotated space, with the rotations' own rounding added to the bound. Without a GPU the binary exits
 // with CTest's skip code (77) and says why.
 
@@ -18,6 +19,7 @@
 #include <memory>
 #include <vector>
 
+#include "kvpack/kernels/cuda/device_cache.cuh"
 #include "kvpack/kernels/cuda/device_layer.cuh"
 #include "kvpack/kernels/reference.hpp"
 #include "kvpack/kvpack.hpp"
@@ -154,7 +156,7 @@ double rotation_error_bound(const test::StreamFixture<Quantizer>& f, const std::
         }
       }
     }
-    bound += 2.0 * std::expm1(2.0 * delta) * max_value;
+    if (max_value > 0.0) bound += 2.0 * std::expm1(2.0 * delta) * max_value;  // never Inf·0 = NaN
   }
   if constexpr (gpu::rotated_space<gpu::ElementDecoder<ValueCodec>>) {
     const auto params = gpu::to_device_params(f.value_params, g, nullptr);
@@ -309,6 +311,91 @@ TEST_CASE("a full device pool rejects a stream and keeps its pages", "[cuda]") {
   CHECK(pool.pages_in_use() == 5);
 }
 
+namespace {
+
+/// Runs `attend(query, scaled query, scale, out)` (device arrays) for one random query per head and
+/// checks it against exact attention over what the host cache stores for the same layer
+/// (read_back: decoded pages and fp32 rows).
+template <class Cache, class Attend>
+void check_against_read_back(const Cache& cache, SeqId seq, index_t layer, Attend attend, std::uint32_t seed) {
+  const index_t streams = cache.streams_per_layer();
+  const index_t group = cache.shape().group_size();
+  const index_t d = cache.shape().head_dim;
+  const auto query = test::random_rows(static_cast<std::size_t>(streams) * group, d, seed);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> scaled(query);
+  for (float& q : scaled) q *= scale;
+  gpu::DeviceBuffer<float> device_query{std::span<const float>(query)};
+  gpu::DeviceBuffer<float> device_scaled{std::span<const float>(scaled)};
+  gpu::DeviceBuffer<float> out(scaled.size());
+  attend(device_query.data(), device_scaled.data(), scale, out.data());
+  gpu::check(cudaDeviceSynchronize(), "attention");
+  const std::vector<float> got = out.download();
+
+  for (index_t s = 0; s < streams; ++s) {
+    const StoredTokens stored = cache.read_back(seq, layer, s);
+    double max_value = 0.0;
+    for (float v : stored.values) max_value = std::max(max_value, static_cast<double>(std::fabs(v)));
+    for (index_t h = 0; h < group; ++h) {
+      const float* q = &scaled[(static_cast<std::size_t>(s) * group + h) * d];
+      std::vector<double> scores(stored.size());
+      double top = -std::numeric_limits<double>::infinity();
+      for (index_t t = 0; t < stored.size(); ++t) {
+        double dot = 0.0;
+        for (index_t c = 0; c < d; ++c) {
+          dot += static_cast<double>(q[c]) * stored.keys[static_cast<std::size_t>(t) * d + c];
+        }
+        scores[t] = dot;
+        top = std::max(top, dot);
+      }
+      double sum = 0.0;
+      std::vector<double> acc(d, 0.0);
+      for (index_t t = 0; t < stored.size(); ++t) {
+        const double w = std::exp(scores[t] - top);
+        sum += w;
+        for (index_t c = 0; c < d; ++c) acc[c] += w * stored.values[static_cast<std::size_t>(t) * d + c];
+      }
+      for (index_t c = 0; c < d; ++c) {
+        CHECK(std::fabs(got[(static_cast<std::size_t>(s) * group + h) * d + c] - acc[c] / sum) <=
+              1e-5 * max_value + 1e-6);
+      }
+    }
+  }
+}
+
+/// A DeviceLayer's attend (queries already scaled) in check_against_read_back's form.
+template <class Layer>
+auto layer_attend(Layer& device) {
+  return [&device](const float*, const float* scaled, float, float* out) { device.attend(scaled, out); };
+}
+
+/// Page bytes and row counts of a device layer against the host cache's layer.
+template <class Cache, class Layer>
+void check_same_pages(const Cache& cache, SeqId seq, index_t layer, const Layer& device) {
+  const quant::PageGeometry g{cache.config().page_size, cache.shape().head_dim};
+  const std::size_t key_bytes = cache.quantizer().key.plane_bytes(g);
+  const std::size_t value_bytes = cache.quantizer().value.plane_bytes(g);
+  const std::size_t v = cache.value_plane_offset();
+  std::vector<std::byte> page(cache.page_format_info().payload_bytes);
+  for (index_t s = 0; s < cache.streams_per_layer(); ++s) {
+    INFO("layer " << layer << ", stream " << s);
+    const std::span<const PageId> ids = cache.pages(seq, layer, s);
+    REQUIRE(device.pages(s) == static_cast<index_t>(ids.size()));
+    CHECK(device.stored_rows(s).total() + device.pages(s) * g.page_size == cache.read_back(seq, layer, s).size());
+    std::size_t mismatches = 0;
+    for (std::size_t p = 0; p < ids.size(); ++p) {
+      gpu::check(cudaMemcpy(page.data(), device.page(s, static_cast<index_t>(p)), page.size(), cudaMemcpyDeviceToHost),
+                 "download");
+      const std::byte* host = cache.pool().payload(ids[p]);
+      mismatches += std::memcmp(page.data(), host, key_bytes) != 0;
+      mismatches += std::memcmp(page.data() + v, host + v, value_bytes) != 0;
+    }
+    CHECK(mismatches == 0);
+  }
+}
+
+}  // namespace
+
 TEST_CASE("mirror_layer runs a host cache's layer on the device", "[cuda]") {
   using Cache = KVCache<layout::GQA, quant::Q4_0, evict::KeepAll>;
   const ModelShape shape{2, 8, 4, 64};
@@ -326,49 +413,164 @@ TEST_CASE("mirror_layer runs a host cache's layer on the device", "[cuda]") {
   gpu::DevicePagePool pool(cache.page_format_info(), 256);
   auto device = gpu::mirror_layer(cache, seq, 1, pool);
   CHECK(device.streams() == 4);
+  check_against_read_back(cache, seq, 1, layer_attend(device), 1102);
 
-  const auto query = test::random_rows(8, 64, 1102);
-  const float scale = 1.0f / 8.0f;
-  std::vector<float> scaled(query);
-  for (float& q : scaled) q *= scale;
-  gpu::DeviceBuffer<float> device_query{std::span<const float>(scaled)};
-  gpu::DeviceBuffer<float> out(scaled.size());
-  device.attend(device_query.data(), out.data());
-  gpu::check(cudaDeviceSynchronize(), "attention");
-  const std::vector<float> got = out.download();
-
-  // Exact attention over what the cache stores (read_back: decoded pages and fp32 rows).
-  for (index_t s = 0; s < 4; ++s) {
-    const StoredTokens stored = cache.read_back(seq, 1, s);
-    double max_value = 0.0;
-    for (float v : stored.values) max_value = std::max(max_value, static_cast<double>(std::fabs(v)));
-    for (index_t h = 0; h < 2; ++h) {
-      const float* q = &scaled[(static_cast<std::size_t>(s) * 2 + h) * 64];
-      std::vector<double> scores(stored.size());
-      double top = -std::numeric_limits<double>::infinity();
-      for (index_t t = 0; t < stored.size(); ++t) {
-        double dot = 0.0;
-        for (index_t c = 0; c < 64; ++c) dot += static_cast<double>(q[c]) * stored.keys[static_cast<std::size_t>(t) * 64 + c];
-        scores[t] = dot;
-        top = std::max(top, dot);
-      }
-      double sum = 0.0;
-      std::vector<double> acc(64, 0.0);
-      for (index_t t = 0; t < stored.size(); ++t) {
-        const double w = std::exp(scores[t] - top);
-        sum += w;
-        for (index_t c = 0; c < 64; ++c) acc[c] += w * stored.values[static_cast<std::size_t>(t) * 64 + c];
-      }
-      for (index_t c = 0; c < 64; ++c) {
-        CHECK(std::fabs(got[(static_cast<std::size_t>(s) * 2 + h) * 64 + c] - acc[c] / sum) <= 1e-5 * max_value + 1e-6);
-      }
-    }
-  }
   config.key_rope = RopeSpec{};
   Cache rotated(shape, config);
   const SeqId other = rotated.add_sequence();
   rotated.prefill(other, 0, std::span<const float>(keys), std::span<const float>(values));
   CHECK_THROWS_AS(gpu::mirror_layer(rotated, other, 0, pool), Error);
+}
+
+namespace {
+
+/// A mirrored layer that then takes its tokens on the device (append_tokens) next to the host
+/// cache taking the same ones: after every append the device's pages hold the host's bytes and
+/// its row counts the host's, and attention over it matches exact attention over read_back.
+template <class Quantizer>
+void check_device_appends(index_t page_size, index_t exact_prefix, index_t tail_tokens, index_t head_dim,
+                          std::uint32_t seed) {
+  const ModelShape shape{1, 6, 3, head_dim};
+  CacheConfig config;
+  config.page_size = page_size;
+  config.exact_prefix_tokens = exact_prefix;
+  config.tail_tokens = tail_tokens;
+  KVCache<layout::GQA, Quantizer> cache(shape, config);
+  const SeqId seq = cache.add_sequence();
+  auto host_append = [&](index_t count, std::int64_t at, const std::vector<float>& keys,
+                         const std::vector<float>& values) {
+    if (count == 1) {
+      cache.append(seq, 0, std::span<const float>(keys), std::span<const float>(values), at);
+    } else {
+      cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+    }
+  };
+  index_t written = 2 * page_size + 5;
+  const auto rows = static_cast<std::size_t>(written) * 3;
+  host_append(written, 0, test::random_rows(rows, head_dim, seed, 4, 10.0f),
+              test::random_rows(rows, head_dim, seed + 1));
+  gpu::DevicePagePool pool(cache.page_format_info(), 64);
+  auto device = gpu::mirror_layer(cache, seq, 0, pool);
+
+  const index_t sizes[] = {1, 1, page_size - 1, 1, 2 * page_size + 3, 1, page_size, 7, 1};
+  std::uint32_t call_seed = seed + 10;
+  for (index_t count : sizes) {
+    const auto keys = test::random_rows(static_cast<std::size_t>(count) * 3, head_dim, call_seed++, 4, 10.0f);
+    const auto values = test::random_rows(static_cast<std::size_t>(count) * 3, head_dim, call_seed++);
+    host_append(count, written, keys, values);
+    written += count;
+    const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
+    const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
+    device.append_tokens(device_keys.data(), device_values.data(), count);
+    gpu::check(cudaDeviceSynchronize(), "append_tokens");
+
+    INFO(Quantizer::name() << " page " << page_size << " prefix " << exact_prefix << " tail " << tail_tokens << ": "
+                           << written << " tokens");
+    check_same_pages(cache, seq, 0, device);
+    check_against_read_back(cache, seq, 0, layer_attend(device), call_seed++);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("tokens appended on the device follow the host cache's pages and rows", "[cuda][append]") {
+  check_device_appends<quant::Q4_0>(32, 0, 0, 128, 1500);
+  check_device_appends<quant::Q4_0>(32, 3, 32, 64, 1510);
+  check_device_appends<quant::Float<kvpack::half>>(16, 5, 0, 64, 1520);
+  check_device_appends<quant::Int8>(32, 0, 64, 96, 1530);
+  check_device_appends<quant::KIVI<4, 32>>(32, 0, 32, 128, 1540);
+  check_device_appends<quant::KIVI<2, 32>>(64, 2, 0, 64, 1550);
+}
+
+namespace {
+
+/// A cache created on the device and a host KVCache fed the same tokens (chunked prefill, appends
+/// with a gap in positions): the same page bytes and row counts in every layer, and attention
+/// through DeviceKVCache::attend (scale applied on the device) within the exact bound.
+template <class Quantizer>
+void check_device_cache(index_t page_size, index_t exact_prefix, index_t tail_tokens, index_t head_dim,
+                        std::uint32_t seed) {
+  const ModelShape shape{2, 8, 4, head_dim};
+  CacheConfig config;
+  config.page_size = page_size;
+  config.exact_prefix_tokens = exact_prefix;
+  config.tail_tokens = tail_tokens;
+  KVCache<layout::GQA, Quantizer> host(shape, config);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 128);
+  const SeqId host_seq = host.add_sequence();
+  const SeqId device_seq = device.add_sequence();
+  std::uint32_t data_seed = seed;
+  for (index_t layer = 0; layer < 2; ++layer) {
+    auto write = [&](index_t tokens, std::int64_t position) {  // position < 0: prefill
+      const auto keys = test::random_rows(static_cast<std::size_t>(tokens) * 4, head_dim, data_seed++, 4, 10.0f);
+      const auto values = test::random_rows(static_cast<std::size_t>(tokens) * 4, head_dim, data_seed++);
+      const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
+      const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
+      const std::span<const float> dk(device_keys.data(), keys.size()), dv(device_values.data(), values.size());
+      if (position < 0) {
+        host.prefill(host_seq, layer, std::span<const float>(keys), std::span<const float>(values));
+        device.prefill(device_seq, layer, dk, dv);
+      } else {
+        host.append(host_seq, layer, std::span<const float>(keys), std::span<const float>(values), position);
+        device.append(device_seq, layer, dk, dv, position);
+      }
+      gpu::check(cudaDeviceSynchronize(), "write");
+    };
+    write(2 * page_size + 3, -1);
+    write(page_size + 1, -1);
+    const std::int64_t next = 3 * page_size + 4;
+    for (std::int64_t t = 0; t < page_size + 2; ++t) write(1, next + t + (t > 3 ? 5 : 0));
+    INFO(Quantizer::name() << " layer " << layer);
+    check_same_pages(host, host_seq, layer, device.layer(device_seq, layer));
+    check_against_read_back(
+        host, host_seq, layer,
+        [&](const float* query, const float*, float scale, float* out) {
+          const std::size_t n = static_cast<std::size_t>(shape.q_heads) * head_dim;
+          device.attend(device_seq, layer, std::span<const float>(query, n), std::span<float>(out, n), scale);
+        },
+        data_seed++);
+  }
+  const std::size_t in_use = device.pool().pages_in_use();
+  CHECK(in_use > 0);
+  device.release(device_seq);
+  CHECK(device.pool().pages_in_use() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("a cache created on the device holds the host cache's pages and attends like it", "[cuda][device_cache]") {
+  check_device_cache<quant::Q4_0>(32, 0, 0, 128, 1600);
+  check_device_cache<quant::Float<kvpack::half>>(16, 3, 32, 64, 1610);
+  check_device_cache<quant::KIVI<4, 32>>(32, 0, 32, 128, 1620);
+  check_device_cache<quant::Int8>(32, 2, 0, 96, 1630);
+}
+
+TEST_CASE("a cache created on the device rejects what it cannot do, and says why", "[cuda][device_cache]") {
+  const ModelShape shape{1, 4, 2, 64};
+  CacheConfig config;
+  config.page_size = 32;
+  gpu::DeviceKVCache<quant::Q4_0> cache(shape, config, 8);
+  const SeqId seq = cache.add_sequence();
+  const std::vector<float> host_rows(2 * 64, 1.0f);
+  const gpu::DeviceBuffer<float> rows{std::span<const float>(host_rows)};
+  const std::span<const float> device_rows(rows.data(), host_rows.size());
+  gpu::DeviceBuffer<float> out(4 * 64);
+  const std::span<float> device_out(out.data(), 4 * 64);
+  // Host memory where device memory belongs, and a layer with no token yet.
+  CHECK_THROWS_AS(cache.prefill(seq, 0, std::span<const float>(host_rows), device_rows), Error);
+  CHECK_THROWS_AS(cache.attend(seq, 0, std::span<const float>(out.data(), 4 * 64), device_out, 0.125f), Error);
+  cache.append(seq, 0, device_rows, device_rows, 7);
+  CHECK_THROWS_AS(cache.append(seq, 0, device_rows, device_rows, 7), Error);  // positions must grow
+  CHECK_THROWS_AS(cache.append(seq, 1, device_rows, device_rows, 8), Error);  // no layer 1
+  CHECK_THROWS_AS(cache.append(seq + 1, 0, device_rows, device_rows, 8), Error);
+  CHECK_THROWS_AS(cache.attend(seq, 0, device_rows, device_out, 0.125f), Error);  // 2 rows for 4 heads
+  cache.release(seq);
+  CHECK_THROWS_AS(cache.release(seq), Error);
+  // Options the device does not implement yet.
+  CacheConfig rope = config;
+  rope.key_rope = RopeSpec{};
+  CHECK_THROWS_AS(gpu::DeviceKVCache<quant::Q4_0>(shape, rope, 8), Error);
+  CHECK_THROWS_AS(gpu::DeviceKVCache<quant::FP8<quant::E4M3FN>>(shape, config, 8), Error);  // calibrates
 }
 
 namespace {

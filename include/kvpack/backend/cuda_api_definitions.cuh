@@ -15,15 +15,7 @@ namespace kvpack::inline v0::cuda_api {
 
 int device_count() noexcept { return kernels::cuda::device_availability().count; }
 
-bool is_device_pointer(const void* address) noexcept {
-  if (address == nullptr || device_count() == 0) return false;
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, address) != cudaSuccess) {
-    cudaGetLastError();  // a pointer CUDA does not know is host memory; leave no error behind
-    return false;
-  }
-  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-}
+bool is_device_pointer(const void* address) noexcept { return kernels::cuda::is_device_memory(address); }
 
 struct AttentionWorkspace::Impl {
   kernels::cuda::AttentionWorkspace workspace;

@@ -32,4 +32,16 @@ inline DeviceAvailability device_availability() {
   return {count, {}};
 }
 
+/// Whether `address` is device (or managed) memory: what a kernel may read. A pointer CUDA does
+/// not know is host memory.
+inline bool is_device_memory(const void* address) noexcept {
+  if (address == nullptr || device_availability().count == 0) return false;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, address) != cudaSuccess) {
+    cudaGetLastError();  // leave no error behind
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
 }  // namespace kvpack::inline v0::kernels::cuda

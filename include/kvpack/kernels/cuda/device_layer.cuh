@@ -2,14 +2,16 @@
 /// \file device_layer.cuh
 /// \brief One layer's KV streams on the device: pages copied byte for byte from host payloads
 ///        into a DevicePagePool (or encoded on the device from rows already there), their block
-///        tables, codec parameters and full-precision rows, ready for attend_paged.
-///        `mirror_layer` builds one from a host KVCache.
+///        tables, codec parameters and full-precision rows (exact prefix and tail, in device
+///        memory), ready for attend_paged. New tokens enter on the device by KVCache's rule
+///        (`append_tokens`, row_append_plan.hpp). `mirror_layer` builds one from a host KVCache.
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kvpack/cache.hpp"
@@ -17,6 +19,7 @@
 #include "kvpack/kernels/cuda/device_params.cuh"
 #include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
+#include "kvpack/kernels/cuda/row_append_plan.hpp"
 
 namespace kvpack::inline v0::kernels::cuda {
 
@@ -31,11 +34,22 @@ class DeviceLayer {
   using ValueParams = device_params_t<ValueCodec>;
 
   /// \param group query heads per stream; \param value_offset bytes from a payload's start to
-  ///        its V plane (the pool's payload size is the page stride)
-  DeviceLayer(DevicePagePool& pool, index_t group, index_t page_size, index_t head_dim, std::size_t value_offset)
-      : pool_(&pool), group_(group), page_size_(page_size), head_dim_(head_dim), value_offset_(value_offset) {
+  ///        its V plane (the pool's payload size is the page stride); \param window the rows
+  ///        kept in fp32 as new tokens arrive (CacheConfig's exact_prefix_tokens and tail_tokens)
+  DeviceLayer(DevicePagePool& pool, index_t group, index_t page_size, index_t head_dim, std::size_t value_offset,
+              TailWindow window = {})
+      : pool_(&pool),
+        group_(group),
+        page_size_(page_size),
+        head_dim_(head_dim),
+        value_offset_(value_offset),
+        rule_{page_size, window.exact_prefix_tokens, window.tail_tokens},
+        // The most rows a stream holds between appends (row_append_plan.hpp), at least one.
+        row_capacity_(std::max<index_t>(1, window.exact_prefix_tokens + window.tail_tokens + page_size - 1)) {
     KVPACK_CHECK(group > 0 && page_size > 0 && head_dim > 0, kInvalidArgument,
                  "DeviceLayer: group, page_size and head_dim must be positive");
+    KVPACK_CHECK(window.exact_prefix_tokens >= 0 && window.tail_tokens >= 0, kInvalidArgument,
+                 "DeviceLayer: exact_prefix_tokens and tail_tokens must not be negative");
     KVPACK_CHECK(value_offset < pool.format().payload_bytes, kInvalidArgument,
                  "DeviceLayer: value_offset lies outside the page payload");
   }
@@ -47,16 +61,20 @@ class DeviceLayer {
   }
 
   /// Adds a stream: its pages (host payloads, token order; the same host page given twice is
-  /// stored once), codec parameters and full-precision rows ([rows][head_dim] keys and values).
+  /// stored once), codec parameters and full-precision rows ([rows][head_dim] keys and values:
+  /// the first exact_prefix_tokens of them the exact prefix, the rest the tail).
   void add_stream(std::span<const std::byte* const> host_pages, const HostKeyParams& key_params,
                   const HostValueParams& value_params, std::span<const float> row_keys,
                   std::span<const float> row_values) {
     KVPACK_CHECK(row_keys.size() == row_values.size() && row_keys.size() % head_dim_ == 0, kInvalidArgument,
                  ::kvpack::detail::message("DeviceLayer::add_stream: ", row_keys.size(), " key and ", row_values.size(),
                                            " value floats are not whole rows of head_dim ", head_dim_));
-    Rows rows(row_keys.data(), row_keys.data() + row_keys.size(), row_values.data(),
-              row_values.data() + row_values.size());
+    const auto row_count = static_cast<index_t>(row_keys.size() / head_dim_);
+    const index_t prefix = std::min(rule_.exact_prefix_tokens, row_count);
+    const StoredRows rows{prefix, row_count - prefix};
+    const index_t capacity = std::max(row_capacity_, row_count);
     // All or nothing: on failure (device pool full, copy error) the pages taken here go back.
+    const index_t streams_before = streams();
     const std::size_t owned_before = owned_.size();
     const std::size_t tables_before = param_tables_.table_count();
     std::vector<const std::byte*> new_hosts;
@@ -79,8 +97,12 @@ class DeviceLayer {
       value_params_.reserve(value_params_.size() + 1);
       key_params_.push_back(param_tables_.upload<KeyCodec>(key_params, g));
       value_params_.push_back(param_tables_.upload<ValueCodec>(value_params, g));
+      RowBuffers grown = grow_rows(streams_before, streams_before + 1, capacity);
+      grown.upload_at(static_cast<std::size_t>(streams_before) * capacity * head_dim_, row_keys, row_values);
       rows_.reserve(rows_.size() + 1);
       stream_pages_.reserve(stream_pages_.size() + 1);
+      rows_device_ = std::move(grown);
+      row_capacity_ = capacity;
     } catch (...) {
       for (std::size_t i = owned_before; i < owned_.size(); ++i) pool_->release(owned_[i]);
       for (const std::byte* host : new_hosts) uploaded_.erase(host);
@@ -91,8 +113,68 @@ class DeviceLayer {
       throw;
     }
     stream_pages_.push_back(std::move(ids));
-    rows_.push_back(std::move(rows));
+    rows_.push_back(rows);
     dirty_ = true;
+  }
+
+  /// Appends `count` tokens to every stream, from `keys` and `values` (device memory,
+  /// [count][streams][head_dim], as KVCache::prefill takes them): the first rows of a layer fill
+  /// the exact prefix, the rest the tail, and every page the tail overflows into is encoded on
+  /// the device with the stream's codec parameters (a codec that calibrates from data, FP8, must
+  /// have been given calibrated ones). Pages and bytes equal what KVCache writes for the same
+  /// rows. All or nothing for the pool; asynchronous on `stream` like attend (keep one stream).
+  /// Rows must be finite and within the codecs' max_abs_input(): the device does not check them.
+  void append_tokens(const float* keys, const float* values, index_t count, cudaStream_t stream = nullptr)
+    requires DeviceEncodable<KeyCodec> && DeviceEncodable<ValueCodec>
+  {
+    KVPACK_CHECK(streams() > 0, kInvalidArgument, "DeviceLayer::append_tokens: no stream was added");
+    KVPACK_CHECK(count >= 0, kInvalidArgument, "DeviceLayer::append_tokens: negative token count");
+    if (count == 0) return;
+    std::vector<RowAppendPlan> plans;
+    index_t new_pages = 0, rows_needed = row_capacity_;
+    for (const StoredRows& rows : rows_) {
+      plans.push_back(plan_row_append(rows, count, rule_));
+      new_pages += plans.back().new_pages;
+      rows_needed = std::max(rows_needed, plans.back().stored_rows_needed);
+    }
+    // Everything that can fail before the layer changes: pages, row room, scratch, targets.
+    std::vector<PageId> ids;
+    try {
+      std::vector<std::byte*> addresses;
+      for (index_t i = 0; i < new_pages; ++i) {
+        ids.push_back(pool_->allocate());
+        addresses.push_back(pool_->payload(ids.back()));
+      }
+      if (rows_needed > row_capacity_) {
+        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // rows still being written
+        rows_device_ = grow_rows(streams(), streams(), rows_needed);
+        row_capacity_ = rows_needed;
+        dirty_ = true;
+      }
+      if (new_pages > 0 && scratch_.keys.size() == 0) {
+        scratch_ = RowBuffers(static_cast<std::size_t>(page_size_) * head_dim_);
+      }
+      if (new_pages > 0) encode_targets_ = DeviceBuffer<std::byte*>(std::span<std::byte* const>(addresses));
+      owned_.reserve(owned_.size() + ids.size());
+      for (index_t s = 0; s < streams(); ++s) stream_pages_[s].reserve(stream_pages_[s].size() + plans[s].new_pages);
+    } catch (...) {
+      for (PageId id : ids) pool_->release(id);
+      throw;
+    }
+    const std::ptrdiff_t input_stride = static_cast<std::ptrdiff_t>(streams()) * head_dim_;
+    index_t next_target = 0;
+    for (index_t s = 0; s < streams(); ++s) {
+      const RowSource input{keys + static_cast<std::size_t>(s) * head_dim_,
+                            values + static_cast<std::size_t>(s) * head_dim_, input_stride};
+      run_plan(s, plans[s], input, next_target, stream);
+      stream_pages_[s].insert(stream_pages_[s].end(), ids.begin() + next_target,
+                              ids.begin() + next_target + plans[s].new_pages);
+      next_target += plans[s].new_pages;
+      rows_[s] = plans[s].after;
+    }
+    owned_.insert(owned_.end(), ids.begin(), ids.end());
+    if (new_pages > 0) dirty_ = true;
+    counts_dirty_ = true;
   }
 
   /// Appends `pages` full pages to stream `s`, encoded on the device from `pages · page_size`
@@ -140,10 +222,22 @@ class DeviceLayer {
   [[nodiscard]] index_t head_dim() const noexcept { return head_dim_; }
   /// Distinct pages this layer holds in the device pool.
   [[nodiscard]] std::size_t device_pages() const noexcept { return owned_.size(); }
+  /// Stream `s`'s full-precision rows: its exact prefix's and its tail's.
+  [[nodiscard]] StoredRows stored_rows(index_t s) const {
+    KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
+                 ::kvpack::detail::message("DeviceLayer::stored_rows: stream ", s, " out of range"));
+    return rows_[s];
+  }
+  /// Stream `s`'s pages, in token order.
+  [[nodiscard]] index_t pages(index_t s) const {
+    KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
+                 ::kvpack::detail::message("DeviceLayer::pages: stream ", s, " out of range"));
+    return static_cast<index_t>(stream_pages_[s].size());
+  }
   /// Bytes one attend reads from HBM: every stream's pages, plus its full-precision rows.
   [[nodiscard]] std::size_t bytes_read_per_attend() const noexcept {
     std::size_t rows = 0, pages = 0;
-    for (const Rows& r : rows_) rows += r.keys.size() + r.values.size();
+    for (const StoredRows& r : rows_) rows += static_cast<std::size_t>(r.total()) * head_dim_ * 2;
     for (const auto& ids : stream_pages_) pages += ids.size();
     return pages * pool_->format().payload_bytes + rows * sizeof(float);
   }
@@ -152,13 +246,13 @@ class DeviceLayer {
   /// [streams][group][head_dim] device arrays. Asynchronous on `stream`.
   void attend(const float* device_queries, float* device_out, cudaStream_t stream = nullptr) {
     KVPACK_CHECK(streams() > 0, kInvalidArgument, "DeviceLayer::attend: no stream was added");
-    if (dirty_) upload_tables();
+    upload_tables();
     attend_paged<KeyCodec, ValueCodec>(launch_args(device_queries, device_out), max_pages_, workspace_, stream);
   }
 
   /// Whether `attend` runs on the tensor-core kernel (mma_attention.cuh) rather than the generic one.
   [[nodiscard]] bool attends_on_tensor_cores() {
-    if (dirty_) upload_tables();
+    upload_tables();
     return kernels::cuda::attends_on_tensor_cores<KeyCodec, ValueCodec>(launch_args(nullptr, nullptr));
   }
 
@@ -169,10 +263,10 @@ class DeviceLayer {
     args.first_page = first_page_device_.data();
     args.key_params = key_params_device_.data();
     args.value_params = value_params_device_.data();
-    args.tail_keys = tail_keys_.data();
-    args.tail_values = tail_values_.data();
+    args.tail_keys = rows_device_.keys.data();
+    args.tail_values = rows_device_.values.data();
     args.tail_count = tail_count_.data();
-    args.tail_stride = tail_stride_;
+    args.tail_stride = row_capacity_;
     args.queries = device_queries;
     args.out = device_out;
     args.streams = streams();
@@ -184,12 +278,90 @@ class DeviceLayer {
     return args;
   }
 
-  struct Rows {
-    Rows(const float* k0, const float* k1, const float* v0, const float* v1) : keys(k0, k1), values(v0, v1) {}
-    std::vector<float> keys, values;
+  /// Keys and values of the same shape: every stream's stored rows ([streams][capacity][head_dim]),
+  /// or one page of scratch.
+  struct RowBuffers {
+    RowBuffers() = default;
+    explicit RowBuffers(std::size_t floats) : keys(floats), values(floats) {}
+    /// Copies host rows into the buffers from float `first` on.
+    void upload_at(std::size_t first, std::span<const float> host_keys, std::span<const float> host_values) {
+      for (auto [to, from] : {std::pair{keys.data(), host_keys}, std::pair{values.data(), host_values}}) {
+        if (from.empty()) continue;
+        check(cudaMemcpy(to + first, from.data(), from.size_bytes(), cudaMemcpyHostToDevice), "row upload");
+      }
+    }
+    DeviceBuffer<float> keys, values;
   };
 
+  /// Rows in device memory, `stride` floats apart.
+  struct RowSource {
+    const float* keys;
+    const float* values;
+    std::ptrdiff_t stride;
+  };
+
+  /// New stored-row buffers for `streams` streams of `capacity` rows, holding the first
+  /// `kept` streams' rows so far.
+  RowBuffers grow_rows(index_t kept, index_t streams, index_t capacity) const {
+    RowBuffers grown(static_cast<std::size_t>(streams) * capacity * head_dim_);
+    const std::size_t row_bytes = static_cast<std::size_t>(head_dim_) * sizeof(float);
+    if (kept > 0) {
+      for (auto [to, from] : {std::pair{grown.keys.data(), rows_device_.keys.data()},
+                              std::pair{grown.values.data(), rows_device_.values.data()}}) {
+        check(cudaMemcpy2D(to, capacity * row_bytes, from, row_capacity_ * row_bytes, row_capacity_ * row_bytes,
+                           static_cast<std::size_t>(kept), cudaMemcpyDeviceToDevice),
+              "row buffer growth");
+      }
+    }
+    return grown;
+  }
+
+  /// Runs stream `s`'s plan on `stream`: its copies as 2-D copies of rows, its encodes into the
+  /// page addresses at encode_targets_[next_target...].
+  void run_plan(index_t s, const RowAppendPlan& plan, const RowSource& input, index_t next_target,
+                cudaStream_t stream) {
+    const std::size_t stored_first = static_cast<std::size_t>(s) * row_capacity_ * head_dim_;
+    // Where a copy writes: the stream's stored rows or the scratch page, rows head_dim apart.
+    auto target = [&](RowBuffer b) -> std::pair<float*, float*> {
+      if (b == RowBuffer::kScratch) return {scratch_.keys.data(), scratch_.values.data()};
+      return {rows_device_.keys.data() + stored_first, rows_device_.values.data() + stored_first};
+    };
+    auto source = [&](RowBuffer b) -> RowSource {
+      if (b == RowBuffer::kInput) return input;
+      const auto [keys, values] = target(b);
+      return {keys, values, head_dim_};
+    };
+    const std::size_t row_bytes = static_cast<std::size_t>(head_dim_) * sizeof(float);
+    for (const RowStep& step : plan.steps) {
+      const RowSource from = source(step.from);
+      const std::size_t from_offset = static_cast<std::size_t>(step.from_row) * from.stride;
+      if (step.kind == RowStep::Kind::kEncode) {
+        encode_pages<KeyCodec, ValueCodec>(from.keys + from_offset, from.values + from_offset, from.stride, step.count,
+                                           key_params_[s], value_params_[s], encode_targets_.data() + next_target,
+                                           {page_size_, head_dim_}, value_offset_, stream);
+        next_target += step.count;
+        continue;
+      }
+      const auto [to_keys, to_values] = target(step.to);
+      const std::size_t to_offset = static_cast<std::size_t>(step.to_row) * head_dim_;
+      for (auto [to, from_rows] : {std::pair{to_keys + to_offset, from.keys + from_offset},
+                                   std::pair{to_values + to_offset, from.values + from_offset}}) {
+        check(cudaMemcpy2DAsync(to, row_bytes, from_rows, from.stride * sizeof(float), row_bytes,
+                                static_cast<std::size_t>(step.count), cudaMemcpyDeviceToDevice, stream),
+              "row copy");
+      }
+    }
+  }
+
+  /// Sends what changed since the last launch: block tables and parameters, or only row counts.
   void upload_tables() {
+    if (counts_dirty_ && !dirty_) {
+      std::vector<index_t> counts;
+      for (const StoredRows& r : rows_) counts.push_back(r.total());
+      tail_count_.upload(std::span<const index_t>(counts));
+      counts_dirty_ = false;
+    }
+    if (!dirty_) return;
     std::vector<const std::byte*> addresses;
     std::vector<index_t> first_page{0};
     max_pages_ = 0;
@@ -202,27 +374,17 @@ class DeviceLayer {
     first_page_device_ = DeviceBuffer<index_t>(std::span<const index_t>(first_page));
     key_params_device_ = DeviceBuffer<KeyParams>(std::span<const KeyParams>(key_params_));
     value_params_device_ = DeviceBuffer<ValueParams>(std::span<const ValueParams>(value_params_));
-    tail_stride_ = 1;
     std::vector<index_t> counts;
-    for (const Rows& r : rows_) {
-      counts.push_back(static_cast<index_t>(r.keys.size() / head_dim_));
-      tail_stride_ = std::max(tail_stride_, counts.back());
-    }
-    std::vector<float> keys(static_cast<std::size_t>(streams()) * tail_stride_ * head_dim_, 0.0f);
-    std::vector<float> values(keys.size(), 0.0f);
-    for (std::size_t s = 0; s < rows_.size(); ++s) {
-      std::copy(rows_[s].keys.begin(), rows_[s].keys.end(), keys.begin() + s * tail_stride_ * head_dim_);
-      std::copy(rows_[s].values.begin(), rows_[s].values.end(), values.begin() + s * tail_stride_ * head_dim_);
-    }
-    tail_keys_ = DeviceBuffer<float>(std::span<const float>(keys));
-    tail_values_ = DeviceBuffer<float>(std::span<const float>(values));
+    for (const StoredRows& r : rows_) counts.push_back(r.total());
     tail_count_ = DeviceBuffer<index_t>(std::span<const index_t>(counts));
-    dirty_ = false;
+    dirty_ = counts_dirty_ = false;
   }
 
   DevicePagePool* pool_;
   index_t group_, page_size_, head_dim_;
   std::size_t value_offset_;
+  RowRule rule_;
+  index_t row_capacity_;  // rows per stream in rows_device_: the kernels' tail_stride
   std::unordered_map<const std::byte*, PageId> uploaded_;  // host payload -> its device copy
   std::vector<PageId> owned_;                               // every device page this layer holds
   std::vector<std::vector<PageId>> stream_pages_;           // per stream, in token order
@@ -230,14 +392,15 @@ class DeviceLayer {
   DeviceParamTables param_tables_;  // device copies of host tables the parameters point to
   std::vector<KeyParams> key_params_;
   std::vector<ValueParams> value_params_;
-  std::vector<Rows> rows_;
-  bool dirty_ = true;
-  index_t tail_stride_ = 1;
+  std::vector<StoredRows> rows_;
+  bool dirty_ = true;          // block tables or parameters changed: upload them all
+  bool counts_dirty_ = false;  // only row counts changed
+  RowBuffers rows_device_;     // every stream's exact prefix and tail rows
+  RowBuffers scratch_;         // the page that straddles a stream's tail and new rows
   DeviceBuffer<const std::byte*> pages_;
   DeviceBuffer<index_t> first_page_device_;
   DeviceBuffer<KeyParams> key_params_device_;
   DeviceBuffer<ValueParams> value_params_device_;
-  DeviceBuffer<float> tail_keys_, tail_values_;
   DeviceBuffer<index_t> tail_count_;
   DeviceBuffer<std::byte*> encode_targets_;
   AttentionWorkspace workspace_;
@@ -261,7 +424,8 @@ DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> mirr
   const index_t page_size = cache.config().page_size;
   const index_t d = cache.shape().head_dim;
   DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> device(
-      pool, cache.shape().group_size(), page_size, d, cache.value_plane_offset());
+      pool, cache.shape().group_size(), page_size, d, cache.value_plane_offset(),
+      TailWindow{cache.config().exact_prefix_tokens, cache.config().tail_tokens});
   std::vector<const std::byte*> host_pages;
   for (index_t s = 0; s < cache.streams_per_layer(); ++s) {
     const std::span<const PageId> ids = cache.pages(seq, layer, s);

@@ -33,6 +33,12 @@ struct RowStep {
   index_t count = 0;
 };
 
+/// The rows a stream keeps in fp32 as tokens arrive (CacheConfig's fields of the same names).
+struct TailWindow {
+  index_t exact_prefix_tokens = 0;
+  index_t tail_tokens = 0;
+};
+
 /// The cache options the rule reads (CacheConfig's fields of the same names).
 struct RowRule {
   index_t page_size = 0;
