@@ -9,6 +9,10 @@
 // outlier channels (256 distinct pages, copied across the whole pool on the device). KVQuant is
 // calibrated as in the CPU benches (bench_codecs.hpp), on draws of a similar distribution.
 // TurboQuant-MSE (4 and 3 bits) runs on the generic kernel in its rotated space.
+//
+// BM_CudaDecodeStep is a decode step through DeviceKVCache: one token appended on the device
+// (a page encoded every 32 steps) and attention over a 32K-token sequence, against attention
+// alone in the same run.
 
 #include <benchmark/benchmark.h>
 
@@ -18,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpack/kernels/cuda/device_cache.cuh"
 #include "kvpack/kernels/cuda/device_memory.cuh"
 #include "kvpack/kernels/cuda/device_params.cuh"
 #include "kvpack/kernels/cuda/encode_pages.cuh"
@@ -229,6 +234,55 @@ void BM_CudaEncodePages(benchmark::State& state) {
   cudaEventDestroy(stop);
 }
 
+/// A decode step on a cache created on the device: append one token (arg 1) or not (arg 0), then
+/// attend, over one 32K-token sequence of one layer. Reports steps per second.
+template <class Quantizer>
+void BM_CudaDecodeStep(benchmark::State& state) {
+  const bool append = state.range(0) != 0;
+  const index_t context = 32768;
+  const ModelShape shape{1, kKvHeads * kGroup, kKvHeads, kHeadDim};
+  CacheConfig config;
+  config.page_size = kPageSize;
+  const std::size_t pages = static_cast<std::size_t>(context / kPageSize + 1024) * kKvHeads;
+  gpu::DeviceKVCache<Quantizer> cache(shape, config, pages);
+  const SeqId seq = cache.add_sequence();
+  std::mt19937 rng(13);
+  const std::size_t row = static_cast<std::size_t>(kKvHeads) * kHeadDim;
+  {
+    const gpu::DeviceBuffer<float> keys{std::span<const float>(random_rows(rng, context * kKvHeads, true))};
+    const gpu::DeviceBuffer<float> values{std::span<const float>(random_rows(rng, context * kKvHeads, false))};
+    cache.prefill(seq, 0, {keys.data(), context * row}, {values.data(), context * row});
+    gpu::check(cudaDeviceSynchronize(), "prefill");
+  }
+  const gpu::DeviceBuffer<float> key{std::span<const float>(random_rows(rng, kKvHeads, true))};
+  const gpu::DeviceBuffer<float> value{std::span<const float>(random_rows(rng, kKvHeads, false))};
+  const std::size_t heads = static_cast<std::size_t>(kKvHeads) * kGroup * kHeadDim;
+  const gpu::DeviceBuffer<float> query{std::span<const float>(random_rows(rng, kKvHeads * kGroup, false))};
+  gpu::DeviceBuffer<float> out(heads);
+  std::int64_t position = context;
+  const std::size_t step_pages = static_cast<std::size_t>(kKvHeads) * 1024;  // room for 32K appends
+  cudaEvent_t start, stop;
+  gpu::check(cudaEventCreate(&start), "event");
+  gpu::check(cudaEventCreate(&stop), "event");
+  for (auto _ : state) {
+    if (append && position - context >= static_cast<std::int64_t>(step_pages / kKvHeads) * kPageSize) {
+      state.SkipWithError("the device pool's room for appended pages ran out");
+      break;
+    }
+    cudaEventRecord(start);
+    if (append) cache.append(seq, 0, {key.data(), row}, {value.data(), row}, position++);
+    cache.attend(seq, 0, {query.data(), heads}, {out.data(), heads}, 1.0f / std::sqrt(float{kHeadDim}));
+    cudaEventRecord(stop);
+    gpu::check(cudaEventSynchronize(stop), "decode step");
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  state.counters["steps_per_s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
 void shapes(benchmark::internal::Benchmark* b) {
   b->Args({32768, 4})->Args({131072, 1})->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.3);
 }
@@ -255,6 +309,13 @@ BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::FP8<quant::E4M3FN>)->Apply(encode_
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Int8)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Q4_0)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KIVI<2, 32>)->Apply(encode_shape);
+
+void step_shape(benchmark::internal::Benchmark* b) {
+  b->ArgName("append")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
+}
+BENCHMARK_TEMPLATE(BM_CudaDecodeStep, quant::Float<kvpack::half>)->Apply(step_shape);
+BENCHMARK_TEMPLATE(BM_CudaDecodeStep, quant::Q4_0)->Apply(step_shape);
+BENCHMARK_TEMPLATE(BM_CudaDecodeStep, quant::KIVI<4, 32>)->Apply(step_shape);
 
 }  // namespace
 

@@ -273,6 +273,23 @@ TEST_CASE("CUDA attention matches the reference: TurboQuant-MSE, in its rotated 
   check_quantizer<quant::TurboQuant<5>>();
 }
 
+TEST_CASE("a layer's TurboQuant streams share one rotation matrix on the device", "[cuda]") {
+  using Q = quant::TurboQuant<8>;
+  const auto data = make_stream_data(2 * 32, 128, 1, 1700);
+  const test::StreamFixture<Q> f(32, 128, 2, 0, data.keys, data.values);
+  const quant::PageGeometry g{32, 128};
+  gpu::DeviceParamTables tables;
+  const auto first_key = tables.upload<Q::key_codec>(f.key_params, g);
+  const auto second_key = tables.upload<Q::key_codec>(f.key_params, g);
+  const auto value = tables.upload<Q::value_codec>(f.value_params, g);
+  CHECK(tables.table_count() == 2);  // Rᵀ for keys, R for values
+  CHECK(first_key.transform == second_key.transform);
+  CHECK(first_key.transform != value.transform);
+  tables.discard_from(1);  // the value matrix is gone, and a new upload sends it again
+  CHECK(tables.upload<Q::value_codec>(f.value_params, g).transform != nullptr);
+  CHECK(tables.table_count() == 2);
+}
+
 TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {
   using Q = quant::Float<kvpack::half>;
   const DeviceRun<Q> run(32, 64, 2, {{4, 3}, {5, 1}}, 800, [](test::StreamFixture<Q>& f) {
@@ -536,7 +553,62 @@ void check_device_cache(index_t page_size, index_t exact_prefix, index_t tail_to
   CHECK(device.pool().pages_in_use() == 0);
 }
 
+/// A sequence prefilled on the host, adopted by a device cache, then decoded on both: the same
+/// pages, rows and attention as the host cache after every few tokens.
+template <class Quantizer>
+void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, std::uint32_t seed) {
+  const ModelShape shape{2, 4, 2, 64};
+  CacheConfig config;
+  config.page_size = page_size;
+  config.exact_prefix_tokens = exact_prefix;
+  config.tail_tokens = tail_tokens;
+  KVCache<layout::GQA, Quantizer> host(shape, config);
+  const SeqId host_seq = host.add_sequence();
+  const index_t prompt = 3 * page_size + 9;
+  for (index_t layer = 0; layer < 2; ++layer) {
+    const auto keys = test::random_rows(static_cast<std::size_t>(prompt) * 2, 64, seed + layer, 4, 10.0f);
+    const auto values = test::random_rows(static_cast<std::size_t>(prompt) * 2, 64, seed + 10 + layer);
+    host.prefill(host_seq, layer, std::span<const float>(keys), std::span<const float>(values));
+  }
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 64);
+  const SeqId device_seq = device.adopt(host, host_seq);
+  std::uint32_t data_seed = seed + 100;
+  for (index_t t = 0; t < page_size + 3; ++t) {
+    for (index_t layer = 0; layer < 2; ++layer) {
+      const auto key = test::random_rows(2, 64, data_seed++, 4, 10.0f);
+      const auto value = test::random_rows(2, 64, data_seed++);
+      const gpu::DeviceBuffer<float> device_key{std::span<const float>(key)};
+      const gpu::DeviceBuffer<float> device_value{std::span<const float>(value)};
+      host.append(host_seq, layer, std::span<const float>(key), std::span<const float>(value), prompt + t);
+      device.append(device_seq, layer, {device_key.data(), key.size()}, {device_value.data(), value.size()},
+                    prompt + t);
+      gpu::check(cudaDeviceSynchronize(), "append");
+    }
+  }
+  for (index_t layer = 0; layer < 2; ++layer) {
+    INFO(Quantizer::name() << " adopted, layer " << layer);
+    check_same_pages(host, host_seq, layer, device.layer(device_seq, layer));
+    check_against_read_back(
+        host, host_seq, layer,
+        [&](const float* query, const float*, float scale, float* out) {
+          device.attend(device_seq, layer, {query, 4 * 64}, {out, 4 * 64}, scale);
+        },
+        data_seed++);
+  }
+  CacheConfig other = config;
+  other.page_size = 2 * page_size;
+  KVCache<layout::GQA, Quantizer> mismatched(shape, other);
+  const SeqId mismatched_seq = mismatched.add_sequence();
+  CHECK_THROWS_AS(device.adopt(mismatched, mismatched_seq), Error);
+}
+
 }  // namespace
+
+TEST_CASE("a sequence prefilled on the host continues on the device", "[cuda][device_cache]") {
+  check_adopt<quant::Q4_0>(32, 0, 0, 1800);
+  check_adopt<quant::Float<kvpack::half>>(16, 3, 16, 1810);
+  check_adopt<quant::KIVI<2, 32>>(32, 0, 32, 1820);
+}
 
 TEST_CASE("a cache created on the device holds the host cache's pages and attends like it", "[cuda][device_cache]") {
   check_device_cache<quant::Q4_0>(32, 0, 0, 128, 1600);

@@ -89,6 +89,34 @@ class DeviceKVCache {
     return id;
   }
 
+  /// A host cache's sequence, copied here to continue on the device (prefill on the CPU, decode
+  /// on the GPU): every layer's pages byte for byte (mirror_layer), codec parameters, fp32 rows
+  /// and last position. The host cache keeps its sequence. All or nothing for the pool.
+  /// \throws kvpack::Error(kInvalidArgument) when its shape, page size, exact prefix or tail
+  ///         window differ from this cache's; what mirror_layer throws; kvpack::OutOfPages
+  template <class Evictor, class Selector>
+  [[nodiscard]] SeqId adopt(const KVCache<layout::GQA, Quantizer, Evictor, Selector>& cache, SeqId seq) {
+    const ModelShape& other = cache.shape();
+    const CacheConfig& options = cache.config();
+    KVPACK_CHECK(other.layers == shape_.layers && other.q_heads == shape_.q_heads &&
+                     other.kv_heads == shape_.kv_heads && other.head_dim == shape_.head_dim &&
+                     options.page_size == config_.page_size &&
+                     options.exact_prefix_tokens == config_.exact_prefix_tokens &&
+                     options.tail_tokens == config_.tail_tokens,
+                 kInvalidArgument,
+                 "adopt: the host cache's shape, page_size, exact_prefix_tokens or tail_tokens differ from this "
+                 "cache's");
+    Sequence sequence;
+    sequence.layers.reserve(static_cast<std::size_t>(shape_.layers));
+    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+      sequence.layers.push_back(mirror_layer(cache, seq, layer, *pool_));
+      sequence.last_position.push_back(cache.last_position(seq, layer));
+    }
+    const SeqId id = next_id_++;
+    sequences_.emplace(id, std::move(sequence));
+    return id;
+  }
+
   /// Drops a sequence; its pages go back to the device pool.
   void release(SeqId seq) {
     KVPACK_CHECK(sequences_.erase(seq) == 1, kInvalidArgument,

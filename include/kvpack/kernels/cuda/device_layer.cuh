@@ -181,7 +181,8 @@ class DeviceLayer {
   /// rows of `keys` and `values` (device memory, [rows][head_dim]), with the stream's codec
   /// parameters. All or nothing for the pool; asynchronous on `stream` like attend. The rows must
   /// be finite and within the codecs' max_abs_input(): the device does not check them (the host
-  /// cache does).
+  /// cache does). The pages follow the stream's pages and bypass its tail rows: attention does not
+  /// depend on token order, but a host cache would have encoded those rows first.
   void append_pages(index_t s, const float* keys, const float* values, index_t pages, cudaStream_t stream = nullptr)
     requires DeviceEncodable<KeyCodec> && DeviceEncodable<ValueCodec>
   {
@@ -246,13 +247,13 @@ class DeviceLayer {
   /// [streams][group][head_dim] device arrays. Asynchronous on `stream`.
   void attend(const float* device_queries, float* device_out, cudaStream_t stream = nullptr) {
     KVPACK_CHECK(streams() > 0, kInvalidArgument, "DeviceLayer::attend: no stream was added");
-    upload_tables();
+    upload_tables(stream);
     attend_paged<KeyCodec, ValueCodec>(launch_args(device_queries, device_out), max_pages_, workspace_, stream);
   }
 
   /// Whether `attend` runs on the tensor-core kernel (mma_attention.cuh) rather than the generic one.
   [[nodiscard]] bool attends_on_tensor_cores() {
-    upload_tables();
+    upload_tables(nullptr);
     return kernels::cuda::attends_on_tensor_cores<KeyCodec, ValueCodec>(launch_args(nullptr, nullptr));
   }
 
@@ -354,11 +355,15 @@ class DeviceLayer {
   }
 
   /// Sends what changed since the last launch: block tables and parameters, or only row counts.
-  void upload_tables() {
+  /// The counts go on `stream`, after the launches before them there (which read the old ones);
+  /// from pageable memory the copy is staged before it returns, so `counts` may then go.
+  void upload_tables(cudaStream_t stream) {
     if (counts_dirty_ && !dirty_) {
       std::vector<index_t> counts;
       for (const StoredRows& r : rows_) counts.push_back(r.total());
-      tail_count_.upload(std::span<const index_t>(counts));
+      check(cudaMemcpyAsync(tail_count_.data(), counts.data(), counts.size() * sizeof(index_t), cudaMemcpyHostToDevice,
+                            stream),
+            "row count upload");
       counts_dirty_ = false;
     }
     if (!dirty_) return;

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvpack/kernels/cuda/device_memory.cuh"
@@ -15,6 +16,7 @@
 namespace kvpack::inline v0::kernels::cuda {
 
 /// Owns the device copies behind the device parameters it makes; keep it as long as they are read.
+/// TurboQuant's rotation matrices are sent once per distinct matrix (a layer's streams share one).
 class DeviceParamTables {
  public:
   template <class Codec>
@@ -34,10 +36,19 @@ class DeviceParamTables {
     } else if constexpr (std::is_same_v<Device, TurboDeviceParams>) {
       // Checks the tables exist before anything is allocated.
       TurboDeviceParams params = to_device_params(host, g, nullptr);
-      const std::vector<float> matrix =
+      std::vector<float> matrix =
           turbo_transform(quant::turbo_detail::layer_view(host, g.head_dim).rotation, g.head_dim, Codec::kPlane);
+      // A layer's streams share one rotation: a matrix already on the device is not sent again.
+      for (const Uploaded& earlier : matrices_) {
+        if (earlier.host == matrix) {
+          params.transform = tables_[earlier.table].data();
+          return params;
+        }
+      }
       tables_.reserve(tables_.size() + 1);
+      matrices_.reserve(matrices_.size() + 1);
       tables_.emplace_back(std::span<const float>(matrix));
+      matrices_.push_back({std::move(matrix), tables_.size() - 1});
       params.transform = tables_.back().data();
       return params;
     } else {
@@ -51,10 +62,17 @@ class DeviceParamTables {
   /// Frees every table uploaded after the first `count` (nothing may still read them).
   void discard_from(std::size_t count) noexcept {
     if (count < tables_.size()) tables_.erase(tables_.begin() + static_cast<std::ptrdiff_t>(count), tables_.end());
+    std::erase_if(matrices_, [count](const Uploaded& m) { return m.table >= count; });
   }
 
  private:
+  /// A rotation matrix on the device, with the host copy it is recognised by.
+  struct Uploaded {
+    std::vector<float> host;
+    std::size_t table;
+  };
   std::vector<DeviceBuffer<float>> tables_;
+  std::vector<Uploaded> matrices_;
 };
 
 }  // namespace kvpack::inline v0::kernels::cuda
