@@ -380,6 +380,15 @@ void check_against_read_back(const Cache& cache, SeqId seq, index_t layer, Atten
   }
 }
 
+/// Options with a page size, an exact prefix and a tail window, the rest default.
+CacheConfig window_config(index_t page_size, index_t exact_prefix, index_t tail_tokens) {
+  CacheConfig config;
+  config.page_size = page_size;
+  config.exact_prefix_tokens = exact_prefix;
+  config.tail_tokens = tail_tokens;
+  return config;
+}
+
 /// A DeviceLayer's attend (queries already scaled) in check_against_read_back's form.
 template <class Layer>
 auto layer_attend(Layer& device) {
@@ -448,10 +457,7 @@ template <class Quantizer>
 void check_device_appends(index_t page_size, index_t exact_prefix, index_t tail_tokens, index_t head_dim,
                           std::uint32_t seed) {
   const ModelShape shape{1, 6, 3, head_dim};
-  CacheConfig config;
-  config.page_size = page_size;
-  config.exact_prefix_tokens = exact_prefix;
-  config.tail_tokens = tail_tokens;
+  CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
   KVCache<layout::GQA, Quantizer> cache(shape, config);
   const SeqId seq = cache.add_sequence();
   auto host_append = [&](index_t count, std::int64_t at, const std::vector<float>& keys,
@@ -508,10 +514,7 @@ template <class Quantizer>
 void check_device_cache(index_t page_size, index_t exact_prefix, index_t tail_tokens, index_t head_dim,
                         std::uint32_t seed) {
   const ModelShape shape{2, 8, 4, head_dim};
-  CacheConfig config;
-  config.page_size = page_size;
-  config.exact_prefix_tokens = exact_prefix;
-  config.tail_tokens = tail_tokens;
+  CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
   KVCache<layout::GQA, Quantizer> host(shape, config);
   gpu::DeviceKVCache<Quantizer> device(shape, config, 128);
   const SeqId host_seq = host.add_sequence();
@@ -558,10 +561,7 @@ void check_device_cache(index_t page_size, index_t exact_prefix, index_t tail_to
 template <class Quantizer>
 void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, std::uint32_t seed) {
   const ModelShape shape{2, 4, 2, 64};
-  CacheConfig config;
-  config.page_size = page_size;
-  config.exact_prefix_tokens = exact_prefix;
-  config.tail_tokens = tail_tokens;
+  CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
   KVCache<layout::GQA, Quantizer> host(shape, config);
   const SeqId host_seq = host.add_sequence();
   const index_t prompt = 3 * page_size + 9;
