@@ -407,7 +407,9 @@ void check_same_pages(const Cache& cache, SeqId seq, index_t layer, const Layer&
     INFO("layer " << layer << ", stream " << s);
     const std::span<const PageId> ids = cache.pages(seq, layer, s);
     REQUIRE(device.pages(s) == static_cast<index_t>(ids.size()));
-    CHECK(device.stored_rows(s).total() + device.pages(s) * g.page_size == cache.read_back(seq, layer, s).size());
+    const index_t tokens = cache.read_back(seq, layer, s).size();
+    CHECK(device.stored_rows(s).total() + device.pages(s) * g.page_size == tokens);
+    CHECK(device.stored_rows(s).prefix == std::min(cache.config().exact_prefix_tokens, tokens));
     std::size_t mismatches = 0;
     for (std::size_t p = 0; p < ids.size(); ++p) {
       gpu::check(cudaMemcpy(page.data(), device.page(s, static_cast<index_t>(p)), page.size(), cudaMemcpyDeviceToHost),
@@ -482,13 +484,12 @@ void check_device_appends(index_t page_size, index_t exact_prefix, index_t tail_
     const auto values = test::random_rows(static_cast<std::size_t>(count) * 3, head_dim, call_seed++);
     host_append(count, written, keys, values);
     written += count;
+    INFO(Quantizer::name() << " page " << page_size << " prefix " << exact_prefix << " tail " << tail_tokens << ": "
+                           << written << " tokens");
     const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
     const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
     device.append_tokens(device_keys.data(), device_values.data(), count);
     gpu::check(cudaDeviceSynchronize(), "append_tokens");
-
-    INFO(Quantizer::name() << " page " << page_size << " prefix " << exact_prefix << " tail " << tail_tokens << ": "
-                           << written << " tokens");
     check_same_pages(cache, seq, 0, device);
     check_against_read_back(cache, seq, 0, layer_attend(device), call_seed++);
   }
@@ -617,6 +618,22 @@ TEST_CASE("a cache created on the device holds the host cache's pages and attend
   check_device_cache<quant::Int8>(32, 2, 0, 96, 1630);
 }
 
+namespace {
+
+/// Runs `call`, which must throw kvpack::Error with `code` and a message containing `words`.
+template <class Call>
+void expect_error(Call call, ErrorCode code, const char* words) {
+  try {
+    call();
+    FAIL("no error; expected one saying \"" << words << "\"");
+  } catch (const Error& e) {
+    CHECK(e.code() == code);
+    CHECK_THAT(e.what(), Catch::Contains(words));
+  }
+}
+
+}  // namespace
+
 TEST_CASE("a cache created on the device rejects what it cannot do, and says why", "[cuda][device_cache]") {
   const ModelShape shape{1, 4, 2, 64};
   CacheConfig config;
@@ -628,86 +645,33 @@ TEST_CASE("a cache created on the device rejects what it cannot do, and says why
   const std::span<const float> device_rows(rows.data(), host_rows.size());
   gpu::DeviceBuffer<float> out(4 * 64);
   const std::span<float> device_out(out.data(), 4 * 64);
-  // Host memory where device memory belongs, and a layer with no token yet.
-  CHECK_THROWS_AS(cache.prefill(seq, 0, std::span<const float>(host_rows), device_rows), Error);
-  CHECK_THROWS_AS(cache.attend(seq, 0, std::span<const float>(out.data(), 4 * 64), device_out, 0.125f), Error);
+  const gpu::DeviceBuffer<float> query{std::span<const float>(std::vector<float>(4 * 64, 0.5f))};
+  const std::span<const float> device_query(query.data(), 4 * 64);
+  expect_error([&] { cache.prefill(seq, 0, std::span<const float>(host_rows), device_rows); },
+               ErrorCode::kInvalidArgument, "keys is not device memory");
+  expect_error([&] { cache.attend(seq, 0, device_query, device_out, 0.125f); }, ErrorCode::kInvalidArgument,
+               "holds no tokens");
   cache.append(seq, 0, device_rows, device_rows, 7);
-  CHECK_THROWS_AS(cache.append(seq, 0, device_rows, device_rows, 7), Error);  // positions must grow
-  CHECK_THROWS_AS(cache.append(seq, 1, device_rows, device_rows, 8), Error);  // no layer 1
-  CHECK_THROWS_AS(cache.append(seq + 1, 0, device_rows, device_rows, 8), Error);
-  CHECK_THROWS_AS(cache.attend(seq, 0, device_rows, device_out, 0.125f), Error);  // 2 rows for 4 heads
+  expect_error([&] { cache.append(seq, 0, device_rows, device_rows, 7); }, ErrorCode::kInvalidArgument,
+               "must be greater than the layer's last (7)");
+  expect_error([&] { cache.append(seq, 1, device_rows, device_rows, 8); }, ErrorCode::kInvalidArgument,
+               "layer 1 out of range");
+  expect_error([&] { cache.append(seq + 1, 0, device_rows, device_rows, 8); }, ErrorCode::kUnknownSequence,
+               "no sequence");
+  expect_error([&] { cache.attend(seq, 0, device_rows, device_out, 0.125f); }, ErrorCode::kInvalidArgument,
+               "q_heads * head_dim = 256");
+  cache.attend(seq, 0, device_query, device_out, 0.125f);  // one token: its value row, all ones
+  gpu::check(cudaDeviceSynchronize(), "attention");
+  for (float x : out.download()) CHECK(x == Approx(1.0f).margin(0.05));  // q4_0 stores 1.0 within its step
   cache.release(seq);
-  CHECK_THROWS_AS(cache.release(seq), Error);
+  expect_error([&] { cache.release(seq); }, ErrorCode::kUnknownSequence, "no sequence");
   // Options the device does not implement yet.
   CacheConfig rope = config;
   rope.key_rope = RopeSpec{};
-  CHECK_THROWS_AS(gpu::DeviceKVCache<quant::Q4_0>(shape, rope, 8), Error);
-  CHECK_THROWS_AS(gpu::DeviceKVCache<quant::FP8<quant::E4M3FN>>(shape, config, 8), Error);  // calibrates
-}
-
-namespace {
-
-/// Pages appended on the device from fp32 rows there: the same bytes as the host's encoder, and
-/// attention over them within the reference's bound.
-template <class Quantizer>
-void check_device_encode(index_t page_size, index_t head_dim, index_t group, index_t pages, std::uint32_t seed) {
-  const StreamData data = make_stream_data(static_cast<std::size_t>(pages) * page_size, head_dim, group, seed);
-  const test::StreamFixture<Quantizer> host(page_size, head_dim, pages, 0, data.keys, data.values);
-  gpu::DevicePagePool pool({host.payload_bytes, 0}, static_cast<std::size_t>(pages));
-  gpu::DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> layer(pool, group, page_size,
-                                                                                        head_dim, host.value_offset);
-  layer.add_stream({}, host.key_params, host.value_params, {}, {});
-  const gpu::DeviceBuffer<float> keys{std::span<const float>(data.keys)};
-  const gpu::DeviceBuffer<float> values{std::span<const float>(data.values)};
-  layer.append_pages(0, keys.data(), values.data(), pages);
-  gpu::check(cudaDeviceSynchronize(), "encode");
-  REQUIRE(pool.pages_in_use() == static_cast<std::size_t>(pages));
-
-  const std::size_t key_bytes = host.quantizer.key.plane_bytes(host.geometry);
-  const std::size_t value_bytes = host.quantizer.value.plane_bytes(host.geometry);
-  std::vector<std::byte> page(host.payload_bytes);
-  std::size_t mismatches = 0;
-  for (index_t i = 0; i < pages; ++i) {
-    gpu::check(cudaMemcpy(page.data(), layer.page(0, i), page.size(), cudaMemcpyDeviceToHost), "download");
-    mismatches += std::memcmp(page.data(), host.pages[i], key_bytes) != 0;
-    mismatches += std::memcmp(page.data() + host.value_offset, host.pages[i] + host.value_offset, value_bytes) != 0;
-  }
-  INFO(Quantizer::name() << " page_size " << page_size << " head_dim " << head_dim << ": " << mismatches
-                         << " planes differ from the host encoder's");
-  CHECK(mismatches == 0);
-
-  gpu::DeviceBuffer<float> queries{std::span<const float>(data.queries)};
-  gpu::DeviceBuffer<float> out(data.queries.size());
-  layer.attend(queries.data(), out.data());
-  gpu::check(cudaDeviceSynchronize(), "attention");
-  const std::vector<float> got = out.download();
-  std::vector<float> expected(got.size());
-  kernels::reference::attend_stream(host.quantizer.key, host.quantizer.value, host.run(), host.key_params,
-                                    host.value_params, host.tail(), data.queries.data(), group, expected.data());
-  const double bound = test::error_bound(host, data.queries, group, false, nullptr);
-  for (std::size_t i = 0; i < got.size(); ++i) CHECK(std::fabs(got[i] - expected[i]) <= bound);
-}
-
-template <class Quantizer>
-void check_device_encode_shapes() {
-  check_device_encode<Quantizer>(32, 128, 4, 7, 1200);
-  check_device_encode<Quantizer>(64, 64, 1, 3, 1300);
-  check_device_encode<Quantizer>(128, 96, 3, 2, 1400);
-}
-
-}  // namespace
-
-TEST_CASE("pages encoded on the device equal the host encoder's bytes", "[cuda][encode]") {
-  check_device_encode_shapes<quant::Float<float>>();
-  check_device_encode_shapes<quant::Float<kvpack::half>>();
-  check_device_encode_shapes<quant::Float<kvpack::bfloat16>>();
-  check_device_encode_shapes<quant::FP8<quant::E4M3FN>>();
-  check_device_encode_shapes<quant::FP8<quant::E5M2>>();
-  check_device_encode_shapes<quant::Int8>();
-  check_device_encode_shapes<quant::Q8_0>();
-  check_device_encode_shapes<quant::Q4_0>();
-  check_device_encode_shapes<quant::KIVI<2, 32>>();
-  check_device_encode_shapes<quant::KIVI<4, 32>>();
+  expect_error([&] { static_cast<void>(gpu::DeviceKVCache<quant::Q4_0>(shape, rope, 8)); }, ErrorCode::kUnsupported,
+               "before RoPE");
+  expect_error([&] { static_cast<void>(gpu::DeviceKVCache<quant::FP8<quant::E4M3FN>>(shape, config, 8)); },
+               ErrorCode::kUnsupported, "calibrates");
 }
 
 int main(int argc, char** argv) {

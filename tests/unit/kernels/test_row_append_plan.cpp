@@ -184,6 +184,18 @@ TEST_CASE("a device append plan leaves the pages and rows a KVCache holds", "[ke
   check_rules<quant::KIVI<2, 32>>(64, 64, 50);
 }
 
+TEST_CASE("a device append plan follows a KVCache under random rules", "[kernels][cuda_plan]") {
+  // Exact prefixes up to 40 rows (filled across several appends, or crossed by one), tail windows
+  // of up to three pages; the plan does not depend on the codec, so f16 at a small head_dim.
+  std::mt19937 rng(77);
+  for (std::uint32_t i = 0; i < 16; ++i) {
+    const index_t page = 16 * std::uniform_int_distribution<index_t>(1, 4)(rng);
+    const index_t prefix = std::uniform_int_distribution<index_t>(0, 40)(rng);
+    const index_t tail = page * std::uniform_int_distribution<index_t>(0, 3)(rng);
+    check_plan_against_cache<quant::Float<kvpack::half>>({page, prefix, tail}, 16, 1000 + 10 * i);
+  }
+}
+
 TEST_CASE("a device append plan rejects what no cache can hold", "[kernels][cuda_plan]") {
   using kernels::cuda::plan_row_append;
   CHECK_THROWS_AS(plan_row_append({0, 0}, -1, {16, 0, 0}), Error);

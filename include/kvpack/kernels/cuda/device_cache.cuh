@@ -39,7 +39,8 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
 /// selectors, prefix sharing, forks, keys stored before RoPE, codecs the device cannot encode
 /// (KVQuant, TurboQuant) and codecs that calibrate their parameters from the data (FP8 with
 /// calibration on): each is rejected at compile time or by the constructor. Calls that touch one
-/// sequence's layer run on one CUDA stream at a time (attend shares a scaled-query buffer).
+/// sequence's layer run on one CUDA stream at a time (its workspace and scaled query are one),
+/// a blocking stream or the default one (tables go up on the legacy stream).
 template <class Quantizer>
   requires DeviceEncodable<typename Quantizer::key_codec> && DeviceEncodable<typename Quantizer::value_codec>
 class DeviceKVCache {
@@ -48,7 +49,8 @@ class DeviceKVCache {
   using ValueCodec = typename Quantizer::value_codec;
   using Layer = DeviceLayer<KeyCodec, ValueCodec>;
 
-  /// \param device_pages the device pool's capacity in pages (one cudaMalloc up front)
+  /// \param device_pages the device pool's capacity in pages (one cudaMalloc up front;
+  ///        CacheConfig::max_pages is the host pool's and is not read)
   /// \throws kvpack::Error: kInvalidConfig for a bad shape or config, kUnsupported for options the
   ///         device does not implement, a CUDA failure, or no GPU
   DeviceKVCache(const ModelShape& shape, CacheConfig config, std::size_t device_pages, Quantizer quantizer = {})
@@ -70,11 +72,13 @@ class DeviceKVCache {
     format.payload_bytes = round_up_64(value_offset_ + quantizer_.value.plane_bytes(g));
     pool_ = std::make_unique<DevicePagePool>(format, device_pages);
   }
+  DeviceKVCache(DeviceKVCache&&) noexcept = default;
+  /// Deleted: assigning would free the pool before the sequences whose pages it holds.
+  DeviceKVCache& operator=(DeviceKVCache&&) = delete;
 
   /// Starts an empty sequence: every layer gets one stream per KV head.
   [[nodiscard]] SeqId add_sequence() {
-    Sequence sequence;
-    sequence.layers.reserve(static_cast<std::size_t>(shape_.layers));
+    Sequence sequence(shape_.layers);
     sequence.last_position.assign(static_cast<std::size_t>(shape_.layers), -1);
     for (index_t layer = 0; layer < shape_.layers; ++layer) {
       sequence.layers.emplace_back(*pool_, shape_.group_size(), config_.page_size, shape_.head_dim, value_offset_,
@@ -106,8 +110,7 @@ class DeviceKVCache {
                  kInvalidArgument,
                  "adopt: the host cache's shape, page_size, exact_prefix_tokens or tail_tokens differ from this "
                  "cache's");
-    Sequence sequence;
-    sequence.layers.reserve(static_cast<std::size_t>(shape_.layers));
+    Sequence sequence(shape_.layers);
     for (index_t layer = 0; layer < shape_.layers; ++layer) {
       sequence.layers.push_back(mirror_layer(cache, seq, layer, *pool_));
       sequence.last_position.push_back(cache.last_position(seq, layer));
@@ -119,7 +122,7 @@ class DeviceKVCache {
 
   /// Drops a sequence; its pages go back to the device pool.
   void release(SeqId seq) {
-    KVPACK_CHECK(sequences_.erase(seq) == 1, kInvalidArgument,
+    KVPACK_CHECK(sequences_.erase(seq) == 1, kUnknownSequence,
                  ::kvpack::detail::message("release: no sequence ", seq));
   }
 
@@ -169,11 +172,12 @@ class DeviceKVCache {
     check_device(out.data(), "attend", "out");
     KVPACK_CHECK(sequence.last_position[layer] >= 0, kInvalidArgument,
                  ::kvpack::detail::message("attend: layer ", layer, " of sequence ", seq, " holds no tokens"));
-    if (scaled_query_.size() < rows) scaled_query_ = DeviceBuffer<float>(rows);
+    DeviceBuffer<float>& scaled = sequence.scaled_queries[layer];
+    if (scaled.size() < rows) scaled = DeviceBuffer<float>(rows);
     device_cache_detail::scale_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, stream>>>(
-        query.data(), scaled_query_.data(), scale, rows);
+        query.data(), scaled.data(), scale, rows);
     check(cudaGetLastError(), "query scale launch");
-    sequence.layers[layer].attend(scaled_query_.data(), out.data(), stream);
+    sequence.layers[layer].attend(scaled.data(), out.data(), stream);
   }
 
   /// The DeviceLayer behind (seq, layer): its pages, rows and counts.
@@ -188,8 +192,13 @@ class DeviceKVCache {
 
  private:
   struct Sequence {
+    explicit Sequence(index_t layers) : scaled_queries(static_cast<std::size_t>(layers)) {
+      this->layers.reserve(static_cast<std::size_t>(layers));
+      last_position.reserve(static_cast<std::size_t>(layers));
+    }
     std::vector<Layer> layers;
-    std::vector<std::int64_t> last_position;  // per layer; -1 while empty
+    std::vector<std::int64_t> last_position;          // per layer; -1 while empty
+    std::vector<DeviceBuffer<float>> scaled_queries;  // per layer: attend's query times the scale
   };
 
   template <class Codec>
@@ -204,7 +213,7 @@ class DeviceKVCache {
 
   Sequence& find(SeqId seq, const char* call) {
     const auto it = sequences_.find(seq);
-    KVPACK_CHECK(it != sequences_.end(), kInvalidArgument, ::kvpack::detail::message(call, ": no sequence ", seq));
+    KVPACK_CHECK(it != sequences_.end(), kUnknownSequence, ::kvpack::detail::message(call, ": no sequence ", seq));
     return it->second;
   }
   const Sequence& find(SeqId seq, const char* call) const { return const_cast<DeviceKVCache*>(this)->find(seq, call); }
@@ -230,7 +239,7 @@ class DeviceKVCache {
     check_device(keys.data(), call, "keys");
     check_device(values.data(), call, "values");
     constexpr std::int64_t kMaxPosition = std::numeric_limits<std::int32_t>::max();
-    KVPACK_CHECK(last <= kMaxPosition, kOutOfRange,
+    KVPACK_CHECK(last <= kMaxPosition && tokens <= kMaxPosition, kOutOfRange,
                  ::kvpack::detail::message(call, ": positions would exceed ", kMaxPosition));
     sequence.layers[layer].append_tokens(keys.data(), values.data(), static_cast<index_t>(tokens), stream);
     sequence.last_position[layer] = last;
@@ -243,7 +252,6 @@ class DeviceKVCache {
   std::unique_ptr<DevicePagePool> pool_;  // before the sequences: their layers release into it
   std::unordered_map<SeqId, Sequence> sequences_;
   SeqId next_id_ = 0;
-  DeviceBuffer<float> scaled_query_;
 };
 
 }  // namespace kvpack::inline v0::kernels::cuda

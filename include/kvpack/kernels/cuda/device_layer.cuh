@@ -43,15 +43,17 @@ class DeviceLayer {
         page_size_(page_size),
         head_dim_(head_dim),
         value_offset_(value_offset),
-        rule_{page_size, window.exact_prefix_tokens, window.tail_tokens},
-        // The most rows a stream holds between appends (row_append_plan.hpp), at least one.
-        row_capacity_(std::max<index_t>(1, window.exact_prefix_tokens + window.tail_tokens + page_size - 1)) {
+        rule_{page_size, window.exact_prefix_tokens, window.tail_tokens} {
     KVPACK_CHECK(group > 0 && page_size > 0 && head_dim > 0, kInvalidArgument,
                  "DeviceLayer: group, page_size and head_dim must be positive");
-    KVPACK_CHECK(window.exact_prefix_tokens >= 0 && window.tail_tokens >= 0, kInvalidArgument,
-                 "DeviceLayer: exact_prefix_tokens and tail_tokens must not be negative");
+    KVPACK_CHECK(window.exact_prefix_tokens >= 0 && window.exact_prefix_tokens <= 4096 && window.tail_tokens >= 0 &&
+                     window.tail_tokens <= CacheConfig::kMaxTailTokens,
+                 kInvalidArgument,
+                 "DeviceLayer: exact_prefix_tokens must be in [0, 4096] and tail_tokens in [0, kMaxTailTokens]");
     KVPACK_CHECK(value_offset < pool.format().payload_bytes, kInvalidArgument,
                  "DeviceLayer: value_offset lies outside the page payload");
+    // The most rows a stream holds between appends (row_append_plan.hpp).
+    row_capacity_ = std::max<index_t>(1, window.exact_prefix_tokens + window.tail_tokens + page_size - 1);
   }
   DeviceLayer(const DeviceLayer&) = delete;
   DeviceLayer& operator=(const DeviceLayer&) = delete;
@@ -122,7 +124,8 @@ class DeviceLayer {
   /// the exact prefix, the rest the tail, and every page the tail overflows into is encoded on
   /// the device with the stream's codec parameters (a codec that calibrates from data, FP8, must
   /// have been given calibrated ones). Pages and bytes equal what KVCache writes for the same
-  /// rows. All or nothing for the pool; asynchronous on `stream` like attend (keep one stream).
+  /// rows. All or nothing for the pool; asynchronous on `stream` like attend (keep one stream, a
+  /// blocking one or the default: tables and page addresses go up on the legacy stream).
   /// Rows must be finite and within the codecs' max_abs_input(): the device does not check them.
   void append_tokens(const float* keys, const float* values, index_t count, cudaStream_t stream = nullptr)
     requires DeviceEncodable<KeyCodec> && DeviceEncodable<ValueCodec>
@@ -161,20 +164,21 @@ class DeviceLayer {
       for (PageId id : ids) pool_->release(id);
       throw;
     }
-    const std::ptrdiff_t input_stride = static_cast<std::ptrdiff_t>(streams()) * head_dim_;
-    index_t next_target = 0;
-    for (index_t s = 0; s < streams(); ++s) {
-      const RowSource input{keys + static_cast<std::size_t>(s) * head_dim_,
-                            values + static_cast<std::size_t>(s) * head_dim_, input_stride};
-      run_plan(s, plans[s], input, next_target, stream);
-      stream_pages_[s].insert(stream_pages_[s].end(), ids.begin() + next_target,
-                              ids.begin() + next_target + plans[s].new_pages);
-      next_target += plans[s].new_pages;
+    // The bookkeeping first (it cannot throw), so that a CUDA failure in a launch below leaves
+    // every page owned and the tables to be sent again; the rows' contents are then undefined.
+    owned_.insert(owned_.end(), ids.begin(), ids.end());
+    for (index_t s = 0, next = 0; s < streams(); next += plans[s].new_pages, ++s) {
+      stream_pages_[s].insert(stream_pages_[s].end(), ids.begin() + next, ids.begin() + next + plans[s].new_pages);
       rows_[s] = plans[s].after;
     }
-    owned_.insert(owned_.end(), ids.begin(), ids.end());
     if (new_pages > 0) dirty_ = true;
     counts_dirty_ = true;
+    const std::ptrdiff_t input_stride = static_cast<std::ptrdiff_t>(streams()) * head_dim_;
+    for (index_t s = 0, next = 0; s < streams(); next += plans[s].new_pages, ++s) {
+      const RowSource input{keys + static_cast<std::size_t>(s) * head_dim_,
+                            values + static_cast<std::size_t>(s) * head_dim_, input_stride};
+      run_plan(s, plans[s], input, next, stream);
+    }
   }
 
   /// Appends `pages` full pages to stream `s`, encoded on the device from `pages · page_size`
@@ -389,7 +393,7 @@ class DeviceLayer {
   index_t group_, page_size_, head_dim_;
   std::size_t value_offset_;
   RowRule rule_;
-  index_t row_capacity_;  // rows per stream in rows_device_: the kernels' tail_stride
+  index_t row_capacity_ = 0;  // rows per stream in rows_device_: the kernels' tail_stride
   std::unordered_map<const std::byte*, PageId> uploaded_;  // host payload -> its device copy
   std::vector<PageId> owned_;                               // every device page this layer holds
   std::vector<std::vector<PageId>> stream_pages_;           // per stream, in token order
