@@ -243,7 +243,8 @@ void BM_CudaDecodeStep(benchmark::State& state) {
   const ModelShape shape{1, kKvHeads * kGroup, kKvHeads, kHeadDim};
   CacheConfig config;
   config.page_size = kPageSize;
-  const std::size_t pages = static_cast<std::size_t>(context / kPageSize + 1024) * kKvHeads;
+  constexpr index_t kRoomPages = 1024;  // per KV head for appended tokens: 32K steps
+  const std::size_t pages = static_cast<std::size_t>(context / kPageSize + kRoomPages) * kKvHeads;
   gpu::DeviceKVCache<Quantizer> cache(shape, config, pages);
   const SeqId seq = cache.add_sequence();
   std::mt19937 rng(13);
@@ -260,12 +261,11 @@ void BM_CudaDecodeStep(benchmark::State& state) {
   const gpu::DeviceBuffer<float> query{std::span<const float>(random_rows(rng, kKvHeads * kGroup, false))};
   gpu::DeviceBuffer<float> out(heads);
   std::int64_t position = context;
-  const std::size_t step_pages = static_cast<std::size_t>(kKvHeads) * 1024;  // room for 32K appends
   cudaEvent_t start, stop;
   gpu::check(cudaEventCreate(&start), "event");
   gpu::check(cudaEventCreate(&stop), "event");
   for (auto _ : state) {
-    if (append && position - context >= static_cast<std::int64_t>(step_pages / kKvHeads) * kPageSize) {
+    if (append && position - context >= std::int64_t{kRoomPages} * kPageSize) {
       state.SkipWithError("the device pool's room for appended pages ran out");
       break;
     }

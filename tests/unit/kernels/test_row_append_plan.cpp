@@ -104,8 +104,8 @@ void check_plan_against_cache(RowRule rule, index_t head_dim, std::uint32_t seed
   const ModelShape shape{1, kStreams, kStreams, head_dim};
   CacheConfig config;
   config.page_size = rule.page_size;
-  config.exact_prefix_tokens = rule.exact_prefix_tokens;
-  config.tail_tokens = rule.tail_tokens;
+  config.exact_prefix_tokens = rule.window.exact_prefix_tokens;
+  config.tail_tokens = rule.window.tail_tokens;
   KVCache<layout::GQA, Quantizer> cache(shape, config);
   const SeqId seq = cache.add_sequence();
   const auto info = cache.page_format_info();
@@ -136,8 +136,9 @@ void check_plan_against_cache(RowRule rule, index_t head_dim, std::uint32_t seed
     }
 
     for (index_t s = 0; s < kStreams; ++s) {
-      INFO(Quantizer::name() << " page " << rule.page_size << " prefix " << rule.exact_prefix_tokens << " tail "
-                             << rule.tail_tokens << ", call " << call << " (" << count << " rows), stream " << s);
+      INFO(Quantizer::name() << " page " << rule.page_size << " prefix " << rule.window.exact_prefix_tokens
+                             << " tail " << rule.window.tail_tokens << ", call " << call << " (" << count
+                             << " rows), stream " << s);
       const HostStream& mine = streams[s];
       const std::span<const PageId> ids = cache.pages(seq, 0, s);
       REQUIRE(mine.pages.size() == ids.size());
@@ -153,7 +154,7 @@ void check_plan_against_cache(RowRule rule, index_t head_dim, std::uint32_t seed
       const StoredTokens stored = cache.read_back(seq, 0, s);
       const index_t paged = static_cast<index_t>(ids.size()) * rule.page_size;
       REQUIRE(stored.size() == mine.rows.total() + paged);
-      REQUIRE(mine.rows.prefix == std::min(rule.exact_prefix_tokens, written));
+      REQUIRE(mine.rows.prefix == std::min(rule.window.exact_prefix_tokens, written));
       const std::size_t d = static_cast<std::size_t>(head_dim);
       auto same_rows = [&](index_t mine_first, index_t theirs_first, index_t rows) {
         const std::size_t n = static_cast<std::size_t>(rows) * d * sizeof(float);

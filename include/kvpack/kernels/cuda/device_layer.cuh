@@ -43,7 +43,7 @@ class DeviceLayer {
         page_size_(page_size),
         head_dim_(head_dim),
         value_offset_(value_offset),
-        rule_{page_size, window.exact_prefix_tokens, window.tail_tokens} {
+        rule_{page_size, window} {
     KVPACK_CHECK(group > 0 && page_size > 0 && head_dim > 0, kInvalidArgument,
                  "DeviceLayer: group, page_size and head_dim must be positive");
     KVPACK_CHECK(window.exact_prefix_tokens >= 0 && window.exact_prefix_tokens <= 4096 && window.tail_tokens >= 0 &&
@@ -72,7 +72,7 @@ class DeviceLayer {
                  ::kvpack::detail::message("DeviceLayer::add_stream: ", row_keys.size(), " key and ", row_values.size(),
                                            " value floats are not whole rows of head_dim ", head_dim_));
     const auto row_count = static_cast<index_t>(row_keys.size() / head_dim_);
-    const index_t prefix = std::min(rule_.exact_prefix_tokens, row_count);
+    const index_t prefix = std::min(rule_.window.exact_prefix_tokens, row_count);
     const StoredRows rows{prefix, row_count - prefix};
     const index_t capacity = std::max(row_capacity_, row_count);
     // All or nothing: on failure (device pool full, copy error) the pages taken here go back.

@@ -39,11 +39,10 @@ struct TailWindow {
   index_t tail_tokens = 0;
 };
 
-/// The cache options the rule reads (CacheConfig's fields of the same names).
+/// The cache options the rule reads: the page size and the fp32 window.
 struct RowRule {
   index_t page_size = 0;
-  index_t exact_prefix_tokens = 0;
-  index_t tail_tokens = 0;
+  TailWindow window;
 };
 
 /// A stream's fp32 rows: the exact prefix's, then the tail's.
@@ -67,10 +66,11 @@ struct RowAppendPlan {
 /// \throws kvpack::Error(kInvalidArgument) for a negative count, a rule without a page size, or
 ///         tail rows before the exact prefix is complete
 [[nodiscard]] inline RowAppendPlan plan_row_append(StoredRows before, index_t count, const RowRule& rule) {
-  KVPACK_CHECK(count >= 0 && rule.page_size > 0 && rule.exact_prefix_tokens >= 0 && rule.tail_tokens >= 0,
+  const TailWindow& window = rule.window;
+  KVPACK_CHECK(count >= 0 && rule.page_size > 0 && window.exact_prefix_tokens >= 0 && window.tail_tokens >= 0,
                kInvalidArgument, "plan_row_append: negative count or rule, or no page size");
-  KVPACK_CHECK(before.prefix >= 0 && before.tail >= 0 && before.prefix <= rule.exact_prefix_tokens &&
-                   (before.tail == 0 || before.prefix == rule.exact_prefix_tokens),
+  KVPACK_CHECK(before.prefix >= 0 && before.tail >= 0 && before.prefix <= window.exact_prefix_tokens &&
+                   (before.tail == 0 || before.prefix == window.exact_prefix_tokens),
                kInvalidArgument, "plan_row_append: tail rows before a complete exact prefix");
   RowAppendPlan plan;
   auto copy = [&](RowBuffer from, index_t from_row, RowBuffer to, index_t to_row, index_t rows) {
@@ -84,14 +84,14 @@ struct RowAppendPlan {
   plan.stored_rows_needed = before.total();
 
   // The first rows of a layer fill the exact prefix.
-  const index_t pinned = std::min(rule.exact_prefix_tokens - before.prefix, count);
+  const index_t pinned = std::min(window.exact_prefix_tokens - before.prefix, count);
   copy(RowBuffer::kInput, 0, RowBuffer::kStored, before.prefix, pinned);
   const index_t prefix = before.prefix + pinned;
   index_t input = pinned;  // the next input row not yet placed
   const index_t tail = before.tail;
   const index_t total = tail + count - pinned;
   const index_t page = rule.page_size;
-  plan.new_pages = total >= rule.tail_tokens + page ? (total - rule.tail_tokens) / page : 0;
+  plan.new_pages = total >= window.tail_tokens + page ? (total - window.tail_tokens) / page : 0;
 
   // The oldest new_pages · page rows of [tail..., input...] become pages: those wholly in the
   // tail straight from it, the one across both through scratch, the rest straight from the input.
