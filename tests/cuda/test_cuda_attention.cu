@@ -4,9 +4,12 @@
 // rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; which of
 // the two kernels (tensor cores for fp16 and q4_0, generic otherwise) a launch takes; and pages
 // encoded on the device, byte for byte against the host encoders; tokens appended to a mirrored
-// layer on the device next to the host cache taking the same ones. TurboQuant-MSE is read in its
-// rotated space, with the rotations' own rounding added to the bound. Without a GPU the binary exits
-// with CTest's skip code (77) and says why.
+// layer on the device next to the host cache taking the same ones; a cache created on the device
+// (DeviceKVCache) beside a host twin: pages, read_back and attention after prefills, appends,
+// adopt, forks and FP8 scales calibrated from the data, and a decode on a non-blocking stream
+// that nothing synchronises. TurboQuant-MSE is read in its rotated space, with the rotations' own
+// rounding added to the bound. Without a GPU the binary exits with CTest's skip code (77) and
+// says why.
 
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
@@ -23,12 +26,14 @@
 #include "kvpack/kernels/cuda/device_layer.cuh"
 #include "kvpack/kernels/reference.hpp"
 #include "kvpack/kvpack.hpp"
+#include "support/expect_error.hpp"
 #include "support/stream_fixture.hpp"
 
 namespace {
 
 using namespace kvpack;
 namespace gpu = kvpack::kernels::cuda;
+using test::expect_error;
 
 struct StreamShape {
   index_t pages = 0;
@@ -330,37 +335,33 @@ TEST_CASE("a full device pool rejects a stream and keeps its pages", "[cuda]") {
 
 namespace {
 
-/// Runs `attend(query, scaled query, scale, out)` (device arrays) for one random query per head and
-/// checks it against exact attention over what the host cache stores for the same layer
-/// (read_back: decoded pages and fp32 rows).
-template <class Cache, class Attend>
-void check_against_read_back(const Cache& cache, SeqId seq, index_t layer, Attend attend, std::uint32_t seed) {
-  const index_t streams = cache.streams_per_layer();
+/// Exact attention (double) over what a host cache stores for one layer (read_back: decoded pages
+/// and fp32 rows), for scaled queries [streams][group][head_dim], and per stream the largest
+/// |value| stored, which scales the fp32 bound.
+struct ExactAttention {
+  std::vector<double> out;
+  std::vector<double> max_value;
+};
+
+template <class Cache>
+ExactAttention exact_attention(const Cache& cache, SeqId seq, index_t layer, const std::vector<float>& scaled) {
   const index_t group = cache.shape().group_size();
   const index_t d = cache.shape().head_dim;
-  const auto query = test::random_rows(static_cast<std::size_t>(streams) * group, d, seed);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<float> scaled(query);
-  for (float& q : scaled) q *= scale;
-  gpu::DeviceBuffer<float> device_query{std::span<const float>(query)};
-  gpu::DeviceBuffer<float> device_scaled{std::span<const float>(scaled)};
-  gpu::DeviceBuffer<float> out(scaled.size());
-  attend(device_query.data(), device_scaled.data(), scale, out.data());
-  gpu::check(cudaDeviceSynchronize(), "attention");
-  const std::vector<float> got = out.download();
-
-  for (index_t s = 0; s < streams; ++s) {
+  ExactAttention exact;
+  exact.out.resize(scaled.size());
+  for (index_t s = 0; s < cache.streams_per_layer(); ++s) {
     const StoredTokens stored = cache.read_back(seq, layer, s);
     double max_value = 0.0;
     for (float v : stored.values) max_value = std::max(max_value, static_cast<double>(std::fabs(v)));
+    exact.max_value.push_back(max_value);
     for (index_t h = 0; h < group; ++h) {
-      const float* q = &scaled[(static_cast<std::size_t>(s) * group + h) * d];
+      const std::size_t first = (static_cast<std::size_t>(s) * group + h) * d;
       std::vector<double> scores(stored.size());
       double top = -std::numeric_limits<double>::infinity();
       for (index_t t = 0; t < stored.size(); ++t) {
         double dot = 0.0;
         for (index_t c = 0; c < d; ++c) {
-          dot += static_cast<double>(q[c]) * stored.keys[static_cast<std::size_t>(t) * d + c];
+          dot += static_cast<double>(scaled[first + c]) * stored.keys[static_cast<std::size_t>(t) * d + c];
         }
         scores[t] = dot;
         top = std::max(top, dot);
@@ -372,12 +373,35 @@ void check_against_read_back(const Cache& cache, SeqId seq, index_t layer, Atten
         sum += w;
         for (index_t c = 0; c < d; ++c) acc[c] += w * stored.values[static_cast<std::size_t>(t) * d + c];
       }
-      for (index_t c = 0; c < d; ++c) {
-        CHECK(std::fabs(got[(static_cast<std::size_t>(s) * group + h) * d + c] - acc[c] / sum) <=
-              1e-5 * max_value + 1e-6);
-      }
+      for (index_t c = 0; c < d; ++c) exact.out[first + c] = acc[c] / sum;
     }
   }
+  return exact;
+}
+
+/// A device result against exact attention, within the fp32 bound.
+void check_close(const float* got, const ExactAttention& exact) {
+  const std::size_t per_stream = exact.out.size() / exact.max_value.size();
+  for (std::size_t i = 0; i < exact.out.size(); ++i) {
+    CHECK(std::fabs(got[i] - exact.out[i]) <= 1e-5 * exact.max_value[i / per_stream] + 1e-6);
+  }
+}
+
+/// Runs `attend(query, scaled query, scale, out)` (device arrays) for one random query per head and
+/// checks it against exact attention over what the host cache stores for the same layer.
+template <class Cache, class Attend>
+void check_against_read_back(const Cache& cache, SeqId seq, index_t layer, Attend attend, std::uint32_t seed) {
+  const index_t d = cache.shape().head_dim;
+  const auto query = test::random_rows(static_cast<std::size_t>(cache.shape().q_heads), d, seed);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> scaled(query);
+  for (float& q : scaled) q *= scale;
+  gpu::DeviceBuffer<float> device_query{std::span<const float>(query)};
+  gpu::DeviceBuffer<float> device_scaled{std::span<const float>(scaled)};
+  gpu::DeviceBuffer<float> out(scaled.size());
+  attend(device_query.data(), device_scaled.data(), scale, out.data());
+  gpu::check(cudaDeviceSynchronize(), "attention");
+  check_close(out.download().data(), exact_attention(cache, seq, layer, scaled));
 }
 
 /// Options with a page size, an exact prefix and a tail window, the rest default.
@@ -508,48 +532,72 @@ TEST_CASE("tokens appended on the device follow the host cache's pages and rows"
 
 namespace {
 
+/// Writes `tokens` random tokens to one layer of a host sequence and of a device sequence: a
+/// prefill when `position` < 0, else one append at `position`.
+template <class HostCache, class DeviceCache>
+void write_both(HostCache& host, SeqId host_seq, DeviceCache& device, SeqId device_seq, index_t layer,
+                index_t tokens, std::int64_t position, std::uint32_t& seed) {
+  const ModelShape& shape = host.shape();
+  const std::size_t rows = static_cast<std::size_t>(tokens) * shape.kv_heads;
+  const auto keys = test::random_rows(rows, shape.head_dim, seed++, 4, 10.0f);
+  const auto values = test::random_rows(rows, shape.head_dim, seed++);
+  const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
+  const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
+  const std::span<const float> dk(device_keys.data(), keys.size()), dv(device_values.data(), values.size());
+  if (position < 0) {
+    host.prefill(host_seq, layer, std::span<const float>(keys), std::span<const float>(values));
+    device.prefill(device_seq, layer, dk, dv);
+  } else {
+    host.append(host_seq, layer, std::span<const float>(keys), std::span<const float>(values), position);
+    device.append(device_seq, layer, dk, dv, position);
+  }
+  gpu::check(cudaDeviceSynchronize(), "write");
+}
+
+/// A device sequence against its host twin in one layer: the same page bytes and row counts,
+/// read_back equal to the host's (positions, decoded pages, fp32 rows), and DeviceKVCache::attend
+/// (scale applied on the device) within the exact bound.
+template <class HostCache, class DeviceCache>
+void check_twins(const HostCache& host, SeqId host_seq, DeviceCache& device, SeqId device_seq, index_t layer,
+                 std::uint32_t seed) {
+  check_same_pages(host, host_seq, layer, device.layer(device_seq, layer));
+  for (index_t s = 0; s < host.streams_per_layer(); ++s) {
+    const StoredTokens want = host.read_back(host_seq, layer, s);
+    const StoredTokens got = device.read_back(device_seq, layer, s);
+    CHECK(got.positions == want.positions);
+    CHECK(got.keys == want.keys);  // the same bytes through the same scalar decode
+    CHECK(got.values == want.values);
+  }
+  check_against_read_back(
+      host, host_seq, layer,
+      [&](const float* query, const float*, float scale, float* out) {
+        const std::size_t n = static_cast<std::size_t>(host.shape().q_heads) * host.shape().head_dim;
+        device.attend(device_seq, layer, std::span<const float>(query, n), std::span<float>(out, n), scale);
+      },
+      seed);
+}
+
 /// A cache created on the device and a host KVCache fed the same tokens (chunked prefill, appends
-/// with a gap in positions): the same page bytes and row counts in every layer, and attention
-/// through DeviceKVCache::attend (scale applied on the device) within the exact bound.
+/// with a gap in positions): the same pages, rows and attention in every layer.
 template <class Quantizer>
 void check_device_cache(index_t page_size, index_t exact_prefix, index_t tail_tokens, index_t head_dim,
-                        std::uint32_t seed) {
+                        std::uint32_t seed, Quantizer quantizer = {}) {
   const ModelShape shape{2, 8, 4, head_dim};
   CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
-  KVCache<layout::GQA, Quantizer> host(shape, config);
-  gpu::DeviceKVCache<Quantizer> device(shape, config, 128);
+  KVCache<layout::GQA, Quantizer> host(shape, config, quantizer);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 128, quantizer);
   const SeqId host_seq = host.add_sequence();
   const SeqId device_seq = device.add_sequence();
   std::uint32_t data_seed = seed;
   for (index_t layer = 0; layer < 2; ++layer) {
-    auto write = [&](index_t tokens, std::int64_t position) {  // position < 0: prefill
-      const auto keys = test::random_rows(static_cast<std::size_t>(tokens) * 4, head_dim, data_seed++, 4, 10.0f);
-      const auto values = test::random_rows(static_cast<std::size_t>(tokens) * 4, head_dim, data_seed++);
-      const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
-      const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
-      const std::span<const float> dk(device_keys.data(), keys.size()), dv(device_values.data(), values.size());
-      if (position < 0) {
-        host.prefill(host_seq, layer, std::span<const float>(keys), std::span<const float>(values));
-        device.prefill(device_seq, layer, dk, dv);
-      } else {
-        host.append(host_seq, layer, std::span<const float>(keys), std::span<const float>(values), position);
-        device.append(device_seq, layer, dk, dv, position);
-      }
-      gpu::check(cudaDeviceSynchronize(), "write");
-    };
-    write(2 * page_size + 3, -1);
-    write(page_size + 1, -1);
+    write_both(host, host_seq, device, device_seq, layer, 2 * page_size + 3, -1, data_seed);
+    write_both(host, host_seq, device, device_seq, layer, page_size + 1, -1, data_seed);
     const std::int64_t next = 3 * page_size + 4;
-    for (std::int64_t t = 0; t < page_size + 2; ++t) write(1, next + t + (t > 3 ? 5 : 0));
+    for (std::int64_t t = 0; t < page_size + 2; ++t) {
+      write_both(host, host_seq, device, device_seq, layer, 1, next + t + (t > 3 ? 5 : 0), data_seed);
+    }
     INFO(Quantizer::name() << " layer " << layer);
-    check_same_pages(host, host_seq, layer, device.layer(device_seq, layer));
-    check_against_read_back(
-        host, host_seq, layer,
-        [&](const float* query, const float*, float scale, float* out) {
-          const std::size_t n = static_cast<std::size_t>(shape.q_heads) * head_dim;
-          device.attend(device_seq, layer, std::span<const float>(query, n), std::span<float>(out, n), scale);
-        },
-        data_seed++);
+    check_twins(host, host_seq, device, device_seq, layer, data_seed++);
   }
   const std::size_t in_use = device.pool().pages_in_use();
   CHECK(in_use > 0);
@@ -576,25 +624,12 @@ void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, s
   std::uint32_t data_seed = seed + 100;
   for (index_t t = 0; t < page_size + 3; ++t) {
     for (index_t layer = 0; layer < 2; ++layer) {
-      const auto key = test::random_rows(2, 64, data_seed++, 4, 10.0f);
-      const auto value = test::random_rows(2, 64, data_seed++);
-      const gpu::DeviceBuffer<float> device_key{std::span<const float>(key)};
-      const gpu::DeviceBuffer<float> device_value{std::span<const float>(value)};
-      host.append(host_seq, layer, std::span<const float>(key), std::span<const float>(value), prompt + t);
-      device.append(device_seq, layer, {device_key.data(), key.size()}, {device_value.data(), value.size()},
-                    prompt + t);
-      gpu::check(cudaDeviceSynchronize(), "append");
+      write_both(host, host_seq, device, device_seq, layer, 1, prompt + t, data_seed);
     }
   }
   for (index_t layer = 0; layer < 2; ++layer) {
     INFO(Quantizer::name() << " adopted, layer " << layer);
-    check_same_pages(host, host_seq, layer, device.layer(device_seq, layer));
-    check_against_read_back(
-        host, host_seq, layer,
-        [&](const float* query, const float*, float scale, float* out) {
-          device.attend(device_seq, layer, {query, 4 * 64}, {out, 4 * 64}, scale);
-        },
-        data_seed++);
+    check_twins(host, host_seq, device, device_seq, layer, data_seed++);
   }
   CacheConfig other = config;
   other.page_size = 2 * page_size;
@@ -603,7 +638,62 @@ void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, s
   CHECK_THROWS_AS(device.adopt(mismatched, mismatched_seq), Error);
 }
 
+/// A host and a device sequence forked at the same point (mid-page, rows in the tail), then
+/// parent and fork fed different tokens on both sides: all four hold their twins' pages and
+/// attend like them. The fork takes no page of its own until it fills one, and the pages it
+/// shares outlive the parent.
+template <class Quantizer>
+void check_fork(index_t page_size, index_t exact_prefix, index_t tail_tokens, std::uint32_t seed) {
+  const ModelShape shape{2, 4, 2, 64};
+  CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
+  KVCache<layout::GQA, Quantizer> host(shape, config);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 128);
+  const SeqId host_parent = host.add_sequence();
+  const SeqId device_parent = device.add_sequence();
+  std::uint32_t data_seed = seed;
+  const index_t prompt = 2 * page_size + 5;
+  for (index_t layer = 0; layer < 2; ++layer) {
+    write_both(host, host_parent, device, device_parent, layer, prompt, -1, data_seed);
+  }
+  const std::size_t shared = device.pool().pages_in_use();
+  const SeqId host_child = host.fork(host_parent);
+  const SeqId device_child = device.fork(device_parent);
+  CHECK(device.pool().pages_in_use() == shared);
+  for (index_t t = 0; t < page_size + 3; ++t) {
+    for (index_t layer = 0; layer < 2; ++layer) {
+      write_both(host, host_parent, device, device_parent, layer, 1, prompt + t, data_seed);
+      write_both(host, host_child, device, device_child, layer, 1, prompt + t, data_seed);
+    }
+  }
+  auto pages_of = [&](SeqId seq) {
+    std::size_t pages = 0;
+    for (index_t layer = 0; layer < 2; ++layer) pages += device.layer(seq, layer).device_pages();
+    return pages;
+  };
+  CHECK(pages_of(device_parent) > shared);  // each filled pages of its own
+  CHECK(device.pool().pages_in_use() == pages_of(device_parent) + pages_of(device_child) - shared);
+  for (index_t layer = 0; layer < 2; ++layer) {
+    INFO(Quantizer::name() << " forked, layer " << layer);
+    check_twins(host, host_parent, device, device_parent, layer, data_seed++);
+    check_twins(host, host_child, device, device_child, layer, data_seed++);
+  }
+  device.release(device_parent);
+  CHECK(device.pool().pages_in_use() == pages_of(device_child));
+  for (index_t layer = 0; layer < 2; ++layer) {
+    INFO(Quantizer::name() << " fork after its parent's release, layer " << layer);
+    check_twins(host, host_child, device, device_child, layer, data_seed++);
+  }
+  device.release(device_child);
+  CHECK(device.pool().pages_in_use() == 0);
+}
+
 }  // namespace
+
+TEST_CASE("a forked device sequence shares its parent's pages and diverges from it", "[cuda][device_cache]") {
+  check_fork<quant::Q4_0>(32, 0, 0, 1900);
+  check_fork<quant::Float<kvpack::half>>(16, 3, 16, 1910);
+  check_fork<quant::KIVI<4, 32>>(32, 2, 32, 1920);
+}
 
 TEST_CASE("a sequence prefilled on the host continues on the device", "[cuda][device_cache]") {
   check_adopt<quant::Q4_0>(32, 0, 0, 1800);
@@ -620,19 +710,126 @@ TEST_CASE("a cache created on the device holds the host cache's pages and attend
 
 namespace {
 
-/// Runs `call`, which must throw kvpack::Error with `code` and a message containing `words`.
-template <class Call>
-void expect_error(Call call, ErrorCode code, const char* words) {
-  try {
-    call();
-    FAIL("no error; expected one saying \"" << words << "\"");
-  } catch (const Error& e) {
-    CHECK(e.code() == code);
-    CHECK_THAT(e.what(), Catch::Contains(words));
+/// A codec that calibrates from the data (FP8's default), in two sequences on both sides: the
+/// first fills a page of each layer first, one token at a time after a short prefill, so the
+/// layer's scales come from its tail rows and that token (after the exact prefix); the second,
+/// with rows in its tail by then, encodes its first page with those scales later. Every page
+/// equal to the host's means the device calibrated as the host does.
+template <class Quantizer>
+void check_calibration(Quantizer quantizer, index_t page_size, index_t exact_prefix, index_t tail_tokens,
+                       std::uint32_t seed) {
+  const ModelShape shape{2, 4, 2, 64};
+  CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
+  KVCache<layout::GQA, Quantizer> host(shape, config, quantizer);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 64, quantizer);
+  const SeqId host_a = host.add_sequence(), host_b = host.add_sequence();
+  const SeqId device_a = device.add_sequence(), device_b = device.add_sequence();
+  std::uint32_t data_seed = seed;
+  const index_t start_a = page_size / 2, start_b = 3;
+  for (index_t layer = 0; layer < 2; ++layer) {
+    write_both(host, host_a, device, device_a, layer, start_a, -1, data_seed);
+    write_both(host, host_b, device, device_b, layer, start_b, -1, data_seed);
+  }
+  for (index_t t = 0; t < exact_prefix + tail_tokens + 2 * page_size; ++t) {
+    for (index_t layer = 0; layer < 2; ++layer) {
+      write_both(host, host_a, device, device_a, layer, 1, start_a + t, data_seed);
+      write_both(host, host_b, device, device_b, layer, 1, start_b + t, data_seed);
+    }
+  }
+  for (index_t layer = 0; layer < 2; ++layer) {
+    INFO(Quantizer::name() << " calibrated from the data, layer " << layer);
+    CHECK(device.layer(device_b, layer).pages(0) > 0);
+    check_twins(host, host_a, device, device_a, layer, data_seed++);
+    check_twins(host, host_b, device, device_b, layer, data_seed++);
   }
 }
 
 }  // namespace
+
+TEST_CASE("a device cache calibrates FP8 scales from the data as the host cache does", "[cuda][device_cache]") {
+  using E4M3 = quant::FP8<quant::E4M3FN>;
+  check_calibration(E4M3{}, 32, 0, 0, 2000);
+  check_calibration(E4M3(quant::FP8Options{quant::ScaleGranularity::kPerHead}), 16, 3, 16, 2010);
+  check_calibration(quant::FP8<quant::E5M2>{}, 32, 2, 32, 2020);
+  check_device_cache<E4M3>(32, 0, 0, 128, 2030);  // calibrated by a prefill that fills pages at once
+  check_adopt<E4M3>(32, 0, 0, 2040);              // the host's scales come with the sequence
+
+  // A second host cache calibrated on other data: its pages cannot join the device cache's layers.
+  const ModelShape shape{1, 4, 2, 64};
+  const CacheConfig config = window_config(32, 0, 0);
+  gpu::DeviceKVCache<E4M3> device(shape, config, 16);
+  for (std::uint32_t data : {2050u, 2060u}) {
+    KVCache<layout::GQA, E4M3> host(shape, config);
+    const SeqId seq = host.add_sequence();
+    const auto keys = test::random_rows(40 * 2, 64, data, 4, data == 2050u ? 10.0f : 30.0f);
+    const auto values = test::random_rows(40 * 2, 64, data + 1);
+    host.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+    if (data == 2050u) {
+      static_cast<void>(device.adopt(host, seq));
+    } else {
+      expect_error([&] { static_cast<void>(device.adopt(host, seq)); }, ErrorCode::kInvalidArgument,
+                   "calibrated with other parameters");
+    }
+  }
+}
+
+namespace {
+
+/// A decode on a non-blocking stream that nothing synchronises until the end: after a prefill,
+/// rounds of append and attend (each into its own output) cross four pages, so block tables are
+/// rewritten in place, and grow, while earlier launches may still read them. Each output must
+/// match exact attention over the host twin as it stood at that step.
+template <class Quantizer>
+void check_unsynchronized_stream(index_t page_size, std::uint32_t seed) {
+  const ModelShape shape{1, 4, 2, 64};
+  const CacheConfig config = window_config(page_size, 0, 0);
+  KVCache<layout::GQA, Quantizer> host(shape, config);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 64);
+  const SeqId host_seq = host.add_sequence();
+  const SeqId device_seq = device.add_sequence();
+  const index_t prompt = page_size + 3, steps = 4 * page_size + 5;
+  const std::size_t row = 2 * 64, heads = 4 * 64;
+  const auto keys = test::random_rows(static_cast<std::size_t>(prompt + steps) * 2, 64, seed, 4, 10.0f);
+  const auto values = test::random_rows(static_cast<std::size_t>(prompt + steps) * 2, 64, seed + 1);
+  const auto queries = test::random_rows(static_cast<std::size_t>(steps) * 4, 64, seed + 2);
+  const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
+  const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
+  const gpu::DeviceBuffer<float> device_queries{std::span<const float>(queries)};
+  gpu::DeviceBuffer<float> outs(queries.size());
+  cudaStream_t stream = nullptr;
+  gpu::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  const std::span<const float> all_keys(keys), all_values(values);
+  host.prefill(host_seq, 0, all_keys.first(prompt * row), all_values.first(prompt * row));
+  device.prefill(device_seq, 0, {device_keys.data(), prompt * row}, {device_values.data(), prompt * row}, stream);
+  const float scale = 0.125f;
+  std::vector<ExactAttention> expected;
+  for (index_t t = 0; t < steps; ++t) {
+    const std::size_t at = static_cast<std::size_t>(prompt + t) * row;
+    host.append(host_seq, 0, all_keys.subspan(at, row), all_values.subspan(at, row), prompt + t);
+    device.append(device_seq, 0, {device_keys.data() + at, row}, {device_values.data() + at, row}, prompt + t,
+                  stream);
+    const std::size_t q = static_cast<std::size_t>(t) * heads;
+    device.attend(device_seq, 0, {device_queries.data() + q, heads}, {outs.data() + q, heads}, scale, stream);
+    std::vector<float> scaled(queries.begin() + static_cast<std::ptrdiff_t>(q),
+                              queries.begin() + static_cast<std::ptrdiff_t>(q + heads));
+    for (float& x : scaled) x *= scale;
+    expected.push_back(exact_attention(host, host_seq, 0, scaled));
+  }
+  gpu::check(cudaStreamSynchronize(stream), "decode");
+  gpu::check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  const std::vector<float> got = outs.download();
+  for (index_t t = 0; t < steps; ++t) {
+    INFO(Quantizer::name() << " step " << t);
+    check_close(got.data() + static_cast<std::size_t>(t) * heads, expected[t]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a decode on a non-blocking stream needs no synchronisation between steps", "[cuda][device_cache]") {
+  check_unsynchronized_stream<quant::Q4_0>(32, 2100);              // tensor cores
+  check_unsynchronized_stream<quant::Float<kvpack::half>>(16, 2110);  // generic kernel
+}
 
 TEST_CASE("a cache created on the device rejects what it cannot do, and says why", "[cuda][device_cache]") {
   const ModelShape shape{1, 4, 2, 64};
@@ -663,15 +860,17 @@ TEST_CASE("a cache created on the device rejects what it cannot do, and says why
   cache.attend(seq, 0, device_query, device_out, 0.125f);  // one token: its value row, all ones
   gpu::check(cudaDeviceSynchronize(), "attention");
   for (float x : out.download()) CHECK(x == Approx(1.0f).margin(0.05));  // q4_0 stores 1.0 within its step
+  expect_error([&] { static_cast<void>(cache.read_back(seq, 0, 2)); }, ErrorCode::kInvalidArgument,
+               "stream 2 out of range [0, 2)");
+  CHECK(cache.read_back(seq, 0, 1).positions == std::vector<std::int32_t>{7});
   cache.release(seq);
   expect_error([&] { cache.release(seq); }, ErrorCode::kUnknownSequence, "no sequence");
+  expect_error([&] { static_cast<void>(cache.read_back(seq, 0, 0)); }, ErrorCode::kUnknownSequence, "no sequence");
   // Options the device does not implement yet.
   CacheConfig rope = config;
   rope.key_rope = RopeSpec{};
   expect_error([&] { static_cast<void>(gpu::DeviceKVCache<quant::Q4_0>(shape, rope, 8)); }, ErrorCode::kUnsupported,
                "before RoPE");
-  expect_error([&] { static_cast<void>(gpu::DeviceKVCache<quant::FP8<quant::E4M3FN>>(shape, config, 8)); },
-               ErrorCode::kUnsupported, "calibrates");
 }
 
 int main(int argc, char** argv) {

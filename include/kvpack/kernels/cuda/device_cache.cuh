@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -20,6 +21,7 @@
 #include "kvpack/cache_config.hpp"
 #include "kvpack/kernels/cuda/check.cuh"
 #include "kvpack/kernels/cuda/device_layer.cuh"
+#include "kvpack/kernels/cuda/position_runs.hpp"
 #include "kvpack/layout/gqa.hpp"
 
 namespace kvpack::inline v0::kernels::cuda {
@@ -36,11 +38,13 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
 }  // namespace device_cache_detail
 
 /// Grouped-query attention only (layout::GQA: one stream per KV head). Not yet: evictors,
-/// selectors, prefix sharing, forks, keys stored before RoPE, codecs the device cannot encode
-/// (KVQuant, TurboQuant) and codecs that calibrate their parameters from the data (FP8 with
-/// calibration on): each is rejected at compile time or by the constructor. Calls that touch one
-/// sequence's layer run on one CUDA stream at a time (its workspace and scaled query are one),
-/// a blocking stream or the default one (tables go up on the legacy stream).
+/// selectors, prefix sharing, keys stored before RoPE and codecs the device cannot encode
+/// (KVQuant, TurboQuant): each is rejected at compile time or by the constructor. A codec that
+/// calibrates from the data (FP8's default) takes a layer's parameters as KVCache does, from the
+/// rows of the first write that encodes a page of that layer. Calls that touch one sequence's
+/// layer run on one CUDA stream at a time, any stream (its tables, rows, workspace and scaled
+/// query are ordered by it); add_sequence and adopt are synchronous, fork and read_back wait for
+/// the whole device. Not thread-safe: one host thread at a time.
 template <class Quantizer>
   requires DeviceEncodable<typename Quantizer::key_codec> && DeviceEncodable<typename Quantizer::value_codec>
 class DeviceKVCache {
@@ -48,6 +52,8 @@ class DeviceKVCache {
   using KeyCodec = typename Quantizer::key_codec;
   using ValueCodec = typename Quantizer::value_codec;
   using Layer = DeviceLayer<KeyCodec, ValueCodec>;
+  using KeyParams = typename KeyCodec::params_type;
+  using ValueParams = typename ValueCodec::params_type;
 
   /// \param device_pages the device pool's capacity in pages (one cudaMalloc up front;
   ///        CacheConfig::max_pages is the host pool's and is not read)
@@ -62,15 +68,20 @@ class DeviceKVCache {
     quantizer_.value.validate(g);
     KVPACK_CHECK(!config_.key_rope && !config_.prefix_sharing, kUnsupported,
                  "DeviceKVCache: keys stored before RoPE and prefix sharing are not supported on the device yet");
-    KVPACK_CHECK(!calibrates(quantizer_.key) && !calibrates(quantizer_.value), kUnsupported,
-                 "DeviceKVCache: a codec that calibrates its parameters from the data (FP8 with calibration) "
-                 "needs them before the first page: encode on the host, or turn calibration off");
     KVPACK_CHECK(device_availability().count > 0, kUnsupported,
                  ::kvpack::detail::message("DeviceKVCache: ", device_availability().reason));
     value_offset_ = round_up_64(quantizer_.key.plane_bytes(g));
     paging::PageFormat format;
     format.payload_bytes = round_up_64(value_offset_ + quantizer_.value.plane_bytes(g));
     pool_ = std::make_unique<DevicePagePool>(format, device_pages);
+    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+      for (index_t s = 0; s < shape_.kv_heads; ++s) {
+        key_params_.push_back(quantizer_.key.initial_params(layer, s));
+        value_params_.push_back(quantizer_.value.initial_params(layer, s));
+      }
+    }
+    calibrated_.assign(static_cast<std::size_t>(shape_.layers),
+                       !calibrates(quantizer_.key) && !calibrates(quantizer_.value));
   }
   DeviceKVCache(DeviceKVCache&&) noexcept = default;
   /// Deleted: assigning would free the pool before the sequences whose pages it holds.
@@ -79,13 +90,12 @@ class DeviceKVCache {
   /// Starts an empty sequence: every layer gets one stream per KV head.
   [[nodiscard]] SeqId add_sequence() {
     Sequence sequence(shape_.layers);
-    sequence.last_position.assign(static_cast<std::size_t>(shape_.layers), -1);
     for (index_t layer = 0; layer < shape_.layers; ++layer) {
       sequence.layers.emplace_back(*pool_, shape_.group_size(), config_.page_size, shape_.head_dim, value_offset_,
                                    TailWindow{config_.exact_prefix_tokens, config_.tail_tokens});
       for (index_t s = 0; s < shape_.kv_heads; ++s) {
-        sequence.layers.back().add_stream({}, quantizer_.key.initial_params(layer, s),
-                                          quantizer_.value.initial_params(layer, s), {}, {});
+        sequence.layers.back().add_stream({}, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)],
+                                          {}, {});
       }
     }
     const SeqId id = next_id_++;
@@ -94,10 +104,13 @@ class DeviceKVCache {
   }
 
   /// A host cache's sequence, copied here to continue on the device (prefill on the CPU, decode
-  /// on the GPU): every layer's pages byte for byte (mirror_layer), codec parameters, fp32 rows
-  /// and last position. The host cache keeps its sequence. All or nothing for the pool.
+  /// on the GPU): every layer's pages byte for byte (mirror_layer), fp32 rows and positions. A
+  /// layer with pages keeps the host's codec parameters, and a calibrating codec's become this
+  /// cache's for that layer if it has none yet; a layer without pages takes this cache's. The
+  /// host cache keeps its sequence. All or nothing.
   /// \throws kvpack::Error(kInvalidArgument) when its shape, page size, exact prefix or tail
-  ///         window differ from this cache's; what mirror_layer throws; kvpack::OutOfPages
+  ///         window differ from this cache's, or a layer's pages were calibrated otherwise than
+  ///         this cache calibrated that layer; what mirror_layer throws; kvpack::OutOfPages
   template <class Evictor, class Selector>
   [[nodiscard]] SeqId adopt(const KVCache<layout::GQA, Quantizer, Evictor, Selector>& cache, SeqId seq) {
     const ModelShape& other = cache.shape();
@@ -111,16 +124,60 @@ class DeviceKVCache {
                  "adopt: the host cache's shape, page_size, exact_prefix_tokens or tail_tokens differ from this "
                  "cache's");
     Sequence sequence(shape_.layers);
+    std::vector<index_t> calibrated_here;  // layers whose parameters this cache takes from the host's
     for (index_t layer = 0; layer < shape_.layers; ++layer) {
       sequence.layers.push_back(mirror_layer(cache, seq, layer, *pool_));
-      sequence.last_position.push_back(cache.last_position(seq, layer));
+      Layer& device = sequence.layers.back();
+      for (std::int32_t position : cache.read_back(seq, layer, 0).positions) {
+        sequence.positions[layer].add(position, 1);
+      }
+      if (cache.pages(seq, layer, 0).empty()) {
+        for (index_t s = 0; s < shape_.kv_heads; ++s) {
+          device.set_params(s, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]);
+        }
+      } else if (!calibrated_[layer]) {
+        calibrated_here.push_back(layer);
+      } else {
+        for (index_t s = 0; s < shape_.kv_heads; ++s) {
+          KVPACK_CHECK(same_calibration(device.key_params(s), device.value_params(s), layer, s), kInvalidArgument,
+                       ::kvpack::detail::message("adopt: layer ", layer, " of the host sequence was calibrated with "
+                                                 "other parameters than this cache's"));
+        }
+      }
     }
-    const SeqId id = next_id_++;
+    const SeqId id = next_id_;
     sequences_.emplace(id, std::move(sequence));
+    ++next_id_;
+    for (index_t layer : calibrated_here) {  // cannot throw: every sequence's layer is still empty
+      const Layer& device = sequences_.at(id).layers[layer];
+      std::vector<KeyParams> keys;
+      std::vector<ValueParams> values;
+      for (index_t s = 0; s < shape_.kv_heads; ++s) {
+        keys.push_back(device.key_params(s));
+        values.push_back(device.value_params(s));
+      }
+      commit_calibration(layer, keys, values, id);
+    }
     return id;
   }
 
-  /// Drops a sequence; its pages go back to the device pool.
+  /// A new sequence sharing every page of `seq` (as KVCache::fork: pages are immutable once
+  /// encoded, the fp32 rows are copied). Appends to either do not reach the other. Waits for the
+  /// whole device first (its layers may be written on different streams).
+  [[nodiscard]] SeqId fork(SeqId seq) {
+    const Sequence& source = find(seq, "fork");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    Sequence copy(shape_.layers);
+    for (const Layer& layer : source.layers) copy.layers.push_back(layer.fork());
+    copy.positions = source.positions;
+    const SeqId id = next_id_;
+    sequences_.emplace(id, std::move(copy));
+    ++next_id_;
+    return id;
+  }
+
+  /// Drops a sequence; its pages go back to the device pool and may be handed out at once, so
+  /// let the launches that read the sequence finish first.
   void release(SeqId seq) {
     KVPACK_CHECK(sequences_.erase(seq) == 1, kUnknownSequence,
                  ::kvpack::detail::message("release: no sequence ", seq));
@@ -137,7 +194,7 @@ class DeviceKVCache {
                  ::kvpack::detail::message("prefill: keys and values must hold the same T > 0 rows of kv_heads * "
                                            "head_dim = ", row, " elements, got ", keys.size(), " and ", values.size()));
     const auto tokens = static_cast<std::int64_t>(keys.size() / row);
-    const std::int64_t last = find(seq, "prefill").last_position.at(checked_layer(layer, "prefill"));
+    const std::int64_t last = find(seq, "prefill").positions.at(checked_layer(layer, "prefill")).last();
     write(seq, layer, keys, values, tokens, last + tokens, "prefill", stream);
   }
 
@@ -149,7 +206,7 @@ class DeviceKVCache {
     KVPACK_CHECK(key.size() == row && value.size() == row, kInvalidArgument,
                  ::kvpack::detail::message("append: key and value must hold kv_heads * head_dim = ", row,
                                            " elements, got ", key.size(), " and ", value.size()));
-    const std::int64_t last = find(seq, "append").last_position.at(checked_layer(layer, "append"));
+    const std::int64_t last = find(seq, "append").positions.at(checked_layer(layer, "append")).last();
     KVPACK_CHECK(position > last, kInvalidArgument,
                  ::kvpack::detail::message("append: position ", position, " must be greater than the layer's last (",
                                            last, ")"));
@@ -170,7 +227,7 @@ class DeviceKVCache {
                  ::kvpack::detail::message("attend: scale ", scale, " is not finite"));
     check_device(query.data(), "attend", "query");
     check_device(out.data(), "attend", "out");
-    KVPACK_CHECK(sequence.last_position[layer] >= 0, kInvalidArgument,
+    KVPACK_CHECK(sequence.positions[layer].last() >= 0, kInvalidArgument,
                  ::kvpack::detail::message("attend: layer ", layer, " of sequence ", seq, " holds no tokens"));
     DeviceBuffer<float>& scaled = sequence.scaled_queries[layer];
     if (scaled.size() < rows) scaled = DeviceBuffer<float>(rows);
@@ -178,6 +235,43 @@ class DeviceKVCache {
         query.data(), scaled.data(), scale, rows);
     check(cudaGetLastError(), "query scale launch");
     sequence.layers[layer].attend(scaled.data(), out.data(), stream);
+  }
+
+  /// What KV stream `kv_head` of a layer stores, decoded on the host, as KVCache::read_back gives
+  /// it: the exact prefix's rows, the pages' tokens, then the tail's rows, with their positions.
+  /// Waits for the whole device, then copies the pages and rows back. For checks and for moving
+  /// a sequence elsewhere, not for a decode step.
+  [[nodiscard]] StoredTokens read_back(SeqId seq, index_t layer, index_t kv_head) const {
+    const Sequence& sequence = find(seq, "read_back");
+    const Layer& device = sequence.layers[checked_layer(layer, "read_back")];
+    KVPACK_CHECK(kv_head >= 0 && kv_head < shape_.kv_heads, kInvalidArgument,
+                 ::kvpack::detail::message("read_back: stream ", kv_head, " out of range [0, ", shape_.kv_heads, ")"));
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    const index_t d = shape_.head_dim;
+    std::vector<float> row_keys, row_values;
+    device.download_rows(kv_head, row_keys, row_values);
+    const std::size_t prefix_floats = static_cast<std::size_t>(device.stored_rows(kv_head).prefix) * d;
+    StoredTokens stored;
+    stored.key_dim = stored.value_dim = d;
+    stored.positions = sequence.positions[layer].expand();
+    stored.keys.assign(row_keys.begin(), row_keys.begin() + static_cast<std::ptrdiff_t>(prefix_floats));
+    stored.values.assign(row_values.begin(), row_values.begin() + static_cast<std::ptrdiff_t>(prefix_floats));
+    const quant::PageGeometry g{config_.page_size, d};
+    std::vector<std::byte> payload(pool_->format().payload_bytes);
+    std::vector<float> keys(static_cast<std::size_t>(g.page_size) * d), values(keys.size());
+    for (index_t i = 0; i < device.pages(kv_head); ++i) {
+      check(cudaMemcpy(payload.data(), device.page(kv_head, i), payload.size(), cudaMemcpyDeviceToHost),
+            "page download");
+      quantizer_.key.decode(g, payload.data(), device.key_params(kv_head), keys.data());
+      quantizer_.value.decode(g, payload.data() + value_offset_, device.value_params(kv_head), values.data());
+      stored.keys.insert(stored.keys.end(), keys.begin(), keys.end());
+      stored.values.insert(stored.values.end(), values.begin(), values.end());
+    }
+    stored.keys.insert(stored.keys.end(), row_keys.begin() + static_cast<std::ptrdiff_t>(prefix_floats),
+                       row_keys.end());
+    stored.values.insert(stored.values.end(), row_values.begin() + static_cast<std::ptrdiff_t>(prefix_floats),
+                         row_values.end());
+    return stored;
   }
 
   /// The DeviceLayer behind (seq, layer): its pages, rows and counts.
@@ -192,12 +286,12 @@ class DeviceKVCache {
 
  private:
   struct Sequence {
-    explicit Sequence(index_t layers) : scaled_queries(static_cast<std::size_t>(layers)) {
+    explicit Sequence(index_t layers)
+        : positions(static_cast<std::size_t>(layers)), scaled_queries(static_cast<std::size_t>(layers)) {
       this->layers.reserve(static_cast<std::size_t>(layers));
-      last_position.reserve(static_cast<std::size_t>(layers));
     }
     std::vector<Layer> layers;
-    std::vector<std::int64_t> last_position;          // per layer; -1 while empty
+    std::vector<PositionRuns> positions;  // per layer
     std::vector<DeviceBuffer<float>> scaled_queries;  // per layer: attend's query times the scale
   };
 
@@ -210,6 +304,80 @@ class DeviceKVCache {
     }
   }
   static std::size_t round_up_64(std::size_t bytes) noexcept { return (bytes + 63) / 64 * 64; }
+  std::size_t param_index(index_t layer, index_t s) const noexcept {
+    return static_cast<std::size_t>(layer) * shape_.kv_heads + s;
+  }
+
+  /// Whether a stream's parameters equal this cache's for (layer, s) on each calibrating plane.
+  bool same_calibration(const KeyParams& key, const ValueParams& value, index_t layer, index_t s) const {
+    bool same = true;
+    if constexpr (quant::CalibratedCodec<KeyCodec>) {
+      same = same && (!quantizer_.key.calibrates() || key == key_params_[param_index(layer, s)]);
+    }
+    if constexpr (quant::CalibratedCodec<ValueCodec>) {
+      same = same && (!quantizer_.value.calibrates() || value == value_params_[param_index(layer, s)]);
+    }
+    return same;
+  }
+
+  /// One plane's parameters per stream from max |x| over the rows KVCache calibrates a layer's
+  /// first page from (calibrate_plane): the tail rows and this write's rows after the exact prefix.
+  /// Empty when the plane's codec does not calibrate.
+  template <class Codec>
+  std::vector<typename Codec::params_type> calibrate_plane(const Codec& codec, const Layer& device, Plane plane,
+                                                           const float* input, index_t tokens,
+                                                           cudaStream_t stream) const {
+    std::vector<typename Codec::params_type> params;
+    if constexpr (quant::CalibratedCodec<Codec>) {
+      if (!codec.calibrates()) return params;
+      const index_t pinned = std::min(config_.exact_prefix_tokens - device.stored_rows(0).prefix, tokens);
+      const std::size_t d = static_cast<std::size_t>(shape_.head_dim);
+      const std::size_t row = static_cast<std::size_t>(shape_.kv_heads) * d;
+      std::vector<float> absmax = stream_absmax(device.tail_rows(plane),
+                                                StridedRows{input + static_cast<std::size_t>(pinned) * row, d, row,
+                                                            tokens - pinned},
+                                                shape_.kv_heads, shape_.head_dim, stream);
+      if (codec.granularity() == quant::ScaleGranularity::kPerTensor) {
+        std::fill(absmax.begin(), absmax.end(), *std::max_element(absmax.begin(), absmax.end()));
+      }
+      for (float m : absmax) params.push_back(codec.params_from_absmax(m));
+    }
+    return params;
+  }
+
+  /// Appends `tokens` tokens ending at position `last` to a layer (room for one more run in
+  /// `positions` reserved). A CUDA failure during append_tokens's launches leaves its rows
+  /// recorded: their positions are then recorded too, so that the two stay in step.
+  static void append(Layer& device, PositionRuns& positions, const float* keys, const float* values,
+                     std::int64_t tokens, std::int64_t last, cudaStream_t stream) {
+    const std::int64_t held = positions.size();
+    try {
+      device.append_tokens(keys, values, static_cast<index_t>(tokens), stream);
+    } catch (...) {
+      if (stored_tokens(device) != held) positions.add(last - tokens + 1, tokens);
+      throw;
+    }
+    positions.add(last - tokens + 1, tokens);
+  }
+  /// Tokens stream 0 of a layer holds: its rows and its pages' slots.
+  static std::int64_t stored_tokens(const Layer& device) {
+    return device.stored_rows(0).total() + static_cast<std::int64_t>(device.pages(0)) * device.page_size();
+  }
+
+  /// Makes a layer's calibrated parameters this cache's, for every sequence: none holds a page
+  /// of that layer yet (its first page is what calibrates it). `except` already has them.
+  void commit_calibration(index_t layer, const std::vector<KeyParams>& keys, const std::vector<ValueParams>& values,
+                          SeqId except) {
+    for (index_t s = 0; s < shape_.kv_heads; ++s) {
+      key_params_[param_index(layer, s)] = keys[s];
+      value_params_[param_index(layer, s)] = values[s];
+    }
+    for (auto& [id, sequence] : sequences_) {
+      if (id == except) continue;
+      for (index_t s = 0; s < shape_.kv_heads; ++s) sequence.layers[layer].set_params(s, keys[s], values[s]);
+    }
+    calibrated_[layer] = true;
+  }
 
   Sequence& find(SeqId seq, const char* call) {
     const auto it = sequences_.find(seq);
@@ -241,8 +409,39 @@ class DeviceKVCache {
     constexpr std::int64_t kMaxPosition = std::numeric_limits<std::int32_t>::max();
     KVPACK_CHECK(last <= kMaxPosition && tokens <= kMaxPosition, kOutOfRange,
                  ::kvpack::detail::message(call, ": positions would exceed ", kMaxPosition));
-    sequence.layers[layer].append_tokens(keys.data(), values.data(), static_cast<index_t>(tokens), stream);
-    sequence.last_position[layer] = last;
+    Layer& device = sequence.layers[layer];
+    PositionRuns& positions = sequence.positions[layer];
+    positions.reserve();  // so that adding this write's positions below cannot throw
+    const RowRule rule{config_.page_size, {config_.exact_prefix_tokens, config_.tail_tokens}};
+    const bool first_page = plan_row_append(device.stored_rows(0), static_cast<index_t>(tokens), rule).new_pages > 0;
+    if (calibrated_[layer] || !first_page) {
+      append(device, positions, keys.data(), values.data(), tokens, last, stream);
+    } else {
+      // The layer's first page: its parameters come from the rows that fill it, as on the host.
+      std::vector<KeyParams> key_params = calibrate_plane(quantizer_.key, device, Plane::kKey, keys.data(),
+                                                          static_cast<index_t>(tokens), stream);
+      std::vector<ValueParams> value_params = calibrate_plane(quantizer_.value, device, Plane::kValue,
+                                                              values.data(), static_cast<index_t>(tokens), stream);
+      for (index_t s = 0; s < shape_.kv_heads; ++s) {
+        if (key_params.size() < static_cast<std::size_t>(shape_.kv_heads)) key_params.push_back(device.key_params(s));
+        if (value_params.size() < static_cast<std::size_t>(shape_.kv_heads)) {
+          value_params.push_back(device.value_params(s));
+        }
+      }
+      for (index_t s = 0; s < shape_.kv_heads; ++s) device.set_params(s, key_params[s], value_params[s]);
+      try {
+        append(device, positions, keys.data(), values.data(), tokens, last, stream);
+      } catch (...) {
+        // The parameters go back where no page was encoded with them (append_tokens is all or
+        // nothing for the pool; only a CUDA failure during its launches leaves pages).
+        for (index_t s = 0; s < shape_.kv_heads; ++s) {
+          if (device.pages(s) > 0) continue;
+          device.set_params(s, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]);
+        }
+        throw;
+      }
+      commit_calibration(layer, key_params, value_params, seq);
+    }
   }
 
   ModelShape shape_;
@@ -251,6 +450,9 @@ class DeviceKVCache {
   std::size_t value_offset_ = 0;
   std::unique_ptr<DevicePagePool> pool_;  // before the sequences: their layers release into it
   std::unordered_map<SeqId, Sequence> sequences_;
+  std::vector<KeyParams> key_params_;  // [layers][kv_heads]: what a new sequence's streams take
+  std::vector<ValueParams> value_params_;
+  std::vector<char> calibrated_;  // per layer: parameters final (a codec that calibrates took them)
   SeqId next_id_ = 0;
 };
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <span>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "kvpack/kernels/cuda/encode_pages.cuh"
 #include "kvpack/kernels/cuda/paged_attention.cuh"
 #include "kvpack/kernels/cuda/row_append_plan.hpp"
+#include "kvpack/kernels/cuda/stream_absmax.cuh"
 
 namespace kvpack::inline v0::kernels::cuda {
 
@@ -64,7 +66,8 @@ class DeviceLayer {
 
   /// Adds a stream: its pages (host payloads, token order; the same host page given twice is
   /// stored once), codec parameters and full-precision rows ([rows][head_dim] keys and values:
-  /// the first exact_prefix_tokens of them the exact prefix, the rest the tail).
+  /// the first exact_prefix_tokens of them the exact prefix, the rest the tail). Synchronous on
+  /// the default stream: call it before the layer's launches or after they finished.
   void add_stream(std::span<const std::byte* const> host_pages, const HostKeyParams& key_params,
                   const HostValueParams& value_params, std::span<const float> row_keys,
                   std::span<const float> row_values) {
@@ -99,8 +102,11 @@ class DeviceLayer {
       value_params_.reserve(value_params_.size() + 1);
       key_params_.push_back(param_tables_.upload<KeyCodec>(key_params, g));
       value_params_.push_back(param_tables_.upload<ValueCodec>(value_params, g));
-      RowBuffers grown = grow_rows(streams_before, streams_before + 1, capacity);
+      RowBuffers grown = grow_rows(streams_before, streams_before + 1, capacity, nullptr);
       grown.upload_at(static_cast<std::size_t>(streams_before) * capacity * head_dim_, row_keys, row_values);
+      // A copy from pageable memory may still be in flight when cudaMemcpy returns; a launch on
+      // a non-blocking stream would not wait for it.
+      check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
       rows_.reserve(rows_.size() + 1);
       stream_pages_.reserve(stream_pages_.size() + 1);
       rows_device_ = std::move(grown);
@@ -124,8 +130,8 @@ class DeviceLayer {
   /// the exact prefix, the rest the tail, and every page the tail overflows into is encoded on
   /// the device with the stream's codec parameters (a codec that calibrates from data, FP8, must
   /// have been given calibrated ones). Pages and bytes equal what KVCache writes for the same
-  /// rows. All or nothing for the pool; asynchronous on `stream` like attend (keep one stream, a
-  /// blocking one or the default: tables and page addresses go up on the legacy stream).
+  /// rows. All or nothing for the pool; asynchronous on `stream` like attend (keep one stream for a
+  /// layer's appends and attends: their tables and rows are ordered by it).
   /// Rows must be finite and within the codecs' max_abs_input(): the device does not check them.
   void append_tokens(const float* keys, const float* values, index_t count, cudaStream_t stream = nullptr)
     requires DeviceEncodable<KeyCodec> && DeviceEncodable<ValueCodec>
@@ -149,15 +155,14 @@ class DeviceLayer {
         addresses.push_back(pool_->payload(ids.back()));
       }
       if (rows_needed > row_capacity_) {
-        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // rows still being written
-        rows_device_ = grow_rows(streams(), streams(), rows_needed);
+        rows_device_ = grow_rows(streams(), streams(), rows_needed, stream);
         row_capacity_ = rows_needed;
         dirty_ = true;
       }
       if (new_pages > 0 && scratch_.keys.size() == 0) {
         scratch_ = RowBuffers(static_cast<std::size_t>(page_size_) * head_dim_);
       }
-      if (new_pages > 0) encode_targets_ = DeviceBuffer<std::byte*>(std::span<std::byte* const>(addresses));
+      if (new_pages > 0) encode_targets_.assign(addresses, stream);
       owned_.reserve(owned_.size() + ids.size());
       for (index_t s = 0; s < streams(); ++s) stream_pages_[s].reserve(stream_pages_[s].size() + plans[s].new_pages);
     } catch (...) {
@@ -203,7 +208,7 @@ class DeviceLayer {
       }
       stream_pages_[s].reserve(stream_pages_[s].size() + ids.size());
       owned_.reserve(owned_.size() + ids.size());
-      encode_targets_ = DeviceBuffer<std::byte*>(std::span<std::byte* const>(addresses));
+      encode_targets_.assign(addresses, stream);
       encode_pages<KeyCodec, ValueCodec>(keys, values, head_dim_, pages, key_params_[s], value_params_[s],
                                          encode_targets_.data(), {page_size_, head_dim_}, value_offset_, stream);
     } catch (...) {
@@ -215,6 +220,39 @@ class DeviceLayer {
     dirty_ = true;
   }
 
+  /// A layer that shares this one's pages (one more holder each: pages are immutable once
+  /// encoded) and has its own fp32 rows and tables, so what either appends later the other does
+  /// not see. The rows are copied on `stream` after what is queued there; returns once they are.
+  /// Not yet for codecs whose parameters point into device tables (KVQuant, TurboQuant).
+  [[nodiscard]] DeviceLayer fork(cudaStream_t stream = nullptr) const
+    requires std::is_same_v<KeyParams, HostKeyParams> && std::is_same_v<ValueParams, HostValueParams>
+  {
+    DeviceLayer copy(*pool_, group_, page_size_, head_dim_, value_offset_, rule_.window);
+    copy.owned_.reserve(owned_.size());
+    for (PageId id : owned_) {
+      pool_->retain(id);
+      copy.owned_.push_back(id);  // reserved: cannot throw, so the copy releases every page retained
+    }
+    copy.uploaded_ = uploaded_;
+    copy.stream_pages_ = stream_pages_;
+    copy.key_params_ = key_params_;
+    copy.value_params_ = value_params_;
+    copy.rows_ = rows_;
+    copy.row_capacity_ = row_capacity_;
+    copy.rows_device_ = RowBuffers(rows_device_.keys.size());
+    const std::size_t bytes = rows_device_.keys.size() * sizeof(float);
+    if (bytes > 0) {
+      check(cudaMemcpyAsync(copy.rows_device_.keys.data(), rows_device_.keys.data(), bytes, cudaMemcpyDeviceToDevice,
+                            stream),
+            "row copy");
+      check(cudaMemcpyAsync(copy.rows_device_.values.data(), rows_device_.values.data(), bytes,
+                            cudaMemcpyDeviceToDevice, stream),
+            "row copy");
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    }
+    return copy;
+  }
+
   /// Device address of page `i` of stream `s` (its payload: K plane, then V at value_offset).
   [[nodiscard]] const std::byte* page(index_t s, index_t i) const {
     KVPACK_CHECK(s >= 0 && s < streams() && i >= 0 && i < static_cast<index_t>(stream_pages_[s].size()),
@@ -224,20 +262,57 @@ class DeviceLayer {
 
   [[nodiscard]] index_t streams() const noexcept { return static_cast<index_t>(key_params_.size()); }
   [[nodiscard]] index_t group() const noexcept { return group_; }
+  [[nodiscard]] index_t page_size() const noexcept { return page_size_; }
   [[nodiscard]] index_t head_dim() const noexcept { return head_dim_; }
   /// Distinct pages this layer holds in the device pool.
   [[nodiscard]] std::size_t device_pages() const noexcept { return owned_.size(); }
   /// Stream `s`'s full-precision rows: its exact prefix's and its tail's.
-  [[nodiscard]] StoredRows stored_rows(index_t s) const {
-    KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
-                 ::kvpack::detail::message("DeviceLayer::stored_rows: stream ", s, " out of range"));
-    return rows_[s];
-  }
+  [[nodiscard]] StoredRows stored_rows(index_t s) const { return rows_[checked_stream(s, "stored_rows")]; }
   /// Stream `s`'s pages, in token order.
   [[nodiscard]] index_t pages(index_t s) const {
-    KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
-                 ::kvpack::detail::message("DeviceLayer::pages: stream ", s, " out of range"));
-    return static_cast<index_t>(stream_pages_[s].size());
+    return static_cast<index_t>(stream_pages_[checked_stream(s, "pages")].size());
+  }
+  /// Stream `s`'s codec parameters, as the kernels read them.
+  [[nodiscard]] const KeyParams& key_params(index_t s) const { return key_params_[checked_stream(s, "key_params")]; }
+  [[nodiscard]] const ValueParams& value_params(index_t s) const {
+    return value_params_[checked_stream(s, "value_params")];
+  }
+  /// Gives stream `s` new codec parameters before its first page: a layer whose codec calibrates
+  /// from the data (FP8) takes them from its first rows. Refused once the stream has a page.
+  void set_params(index_t s, const HostKeyParams& key, const HostValueParams& value)
+    requires std::is_same_v<KeyParams, HostKeyParams> && std::is_same_v<ValueParams, HostValueParams>
+  {
+    KVPACK_CHECK(s >= 0 && s < streams() && stream_pages_[s].empty(), kInvalidArgument,
+                 ::kvpack::detail::message("DeviceLayer::set_params: stream ", s,
+                                           " is out of range or has pages encoded with its parameters"));
+    key_params_[s] = key;
+    value_params_[s] = value;
+    dirty_ = true;
+  }
+  /// One plane's tail rows (those after the exact prefix) of every stream, in device memory, for
+  /// stream_absmax. Every stream must hold as many rows, as a layer that takes all its tokens
+  /// through append_tokens does.
+  [[nodiscard]] StridedRows tail_rows(Plane plane) const {
+    const bool same = std::all_of(rows_.begin(), rows_.end(), [&](const StoredRows& r) { return r == rows_[0]; });
+    KVPACK_CHECK(streams() > 0 && same, kInvalidArgument, "DeviceLayer::tail_rows: the streams hold different rows");
+    const float* base = plane == Plane::kKey ? rows_device_.keys.data() : rows_device_.values.data();
+    const std::size_t d = static_cast<std::size_t>(head_dim_);
+    return {base + static_cast<std::size_t>(rows_[0].prefix) * d, static_cast<std::size_t>(row_capacity_) * d, d,
+            rows_[0].tail};
+  }
+  /// Stream `s`'s fp32 rows copied to `keys` and `values` on the host ([rows][head_dim] each: the
+  /// exact prefix's, then the tail's). Synchronous: call it once the launches writing them are done.
+  void download_rows(index_t s, std::vector<float>& keys, std::vector<float>& values) const {
+    const std::size_t floats = static_cast<std::size_t>(stored_rows(s).total()) * head_dim_;
+    const std::size_t first = static_cast<std::size_t>(s) * row_capacity_ * head_dim_;
+    keys.resize(floats);
+    values.resize(floats);
+    if (floats == 0) return;
+    check(cudaMemcpy(keys.data(), rows_device_.keys.data() + first, floats * sizeof(float), cudaMemcpyDeviceToHost),
+          "row download");
+    check(cudaMemcpy(values.data(), rows_device_.values.data() + first, floats * sizeof(float),
+                     cudaMemcpyDeviceToHost),
+          "row download");
   }
   /// Bytes one attend reads from HBM: every stream's pages, plus its full-precision rows.
   [[nodiscard]] std::size_t bytes_read_per_attend() const noexcept {
@@ -255,13 +330,19 @@ class DeviceLayer {
     attend_paged<KeyCodec, ValueCodec>(launch_args(device_queries, device_out), max_pages_, workspace_, stream);
   }
 
-  /// Whether `attend` runs on the tensor-core kernel (mma_attention.cuh) rather than the generic one.
-  [[nodiscard]] bool attends_on_tensor_cores() {
-    upload_tables(nullptr);
+  /// Whether `attend` runs on the tensor-core kernel (mma_attention.cuh) rather than the generic
+  /// one: decided by the layer's shape alone, so no table goes up.
+  [[nodiscard]] bool attends_on_tensor_cores() const {
     return kernels::cuda::attends_on_tensor_cores<KeyCodec, ValueCodec>(launch_args(nullptr, nullptr));
   }
 
  private:
+  index_t checked_stream(index_t s, const char* call) const {
+    KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
+                 ::kvpack::detail::message("DeviceLayer::", call, ": stream ", s, " out of range [0, ", streams(), ")"));
+    return s;
+  }
+
   PagedAttentionArgs<KeyParams, ValueParams> launch_args(const float* device_queries, float* device_out) const {
     PagedAttentionArgs<KeyParams, ValueParams> args;
     args.pages = pages_.data();
@@ -306,18 +387,20 @@ class DeviceLayer {
   };
 
   /// New stored-row buffers for `streams` streams of `capacity` rows, holding the first
-  /// `kept` streams' rows so far.
-  RowBuffers grow_rows(index_t kept, index_t streams, index_t capacity) const {
+  /// `kept` streams' rows so far, copied on `stream` after what is queued there. Returns once
+  /// the copies are done, so the old buffers may be freed.
+  RowBuffers grow_rows(index_t kept, index_t streams, index_t capacity, cudaStream_t stream) const {
     RowBuffers grown(static_cast<std::size_t>(streams) * capacity * head_dim_);
     const std::size_t row_bytes = static_cast<std::size_t>(head_dim_) * sizeof(float);
     if (kept > 0) {
       for (auto [to, from] : {std::pair{grown.keys.data(), rows_device_.keys.data()},
                               std::pair{grown.values.data(), rows_device_.values.data()}}) {
-        check(cudaMemcpy2D(to, capacity * row_bytes, from, row_capacity_ * row_bytes, row_capacity_ * row_bytes,
-                           static_cast<std::size_t>(kept), cudaMemcpyDeviceToDevice),
+        check(cudaMemcpy2DAsync(to, capacity * row_bytes, from, row_capacity_ * row_bytes, row_capacity_ * row_bytes,
+                                static_cast<std::size_t>(kept), cudaMemcpyDeviceToDevice, stream),
               "row buffer growth");
       }
     }
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     return grown;
   }
 
@@ -359,33 +442,28 @@ class DeviceLayer {
   }
 
   /// Sends what changed since the last launch: block tables and parameters, or only row counts.
-  /// The counts go on `stream`, after the launches before them there (which read the old ones);
-  /// from pageable memory the copy is staged before it returns, so `counts` may then go.
+  /// On `stream`, after the launches queued there before (which read the old tables), into
+  /// arrays that keep their allocation (DeviceTable).
   void upload_tables(cudaStream_t stream) {
-    if (counts_dirty_ && !dirty_) {
+    if (dirty_) {
+      std::vector<const std::byte*> addresses;
+      std::vector<index_t> first_page{0};
+      max_pages_ = 0;
+      for (const auto& ids : stream_pages_) {
+        for (PageId id : ids) addresses.push_back(pool_->payload(id));
+        first_page.push_back(static_cast<index_t>(addresses.size()));
+        max_pages_ = std::max<index_t>(max_pages_, static_cast<index_t>(ids.size()));
+      }
+      pages_.assign(addresses, stream);
+      first_page_device_.assign(first_page, stream);
+      key_params_device_.assign(key_params_, stream);
+      value_params_device_.assign(value_params_, stream);
+    }
+    if (dirty_ || counts_dirty_) {
       std::vector<index_t> counts;
       for (const StoredRows& r : rows_) counts.push_back(r.total());
-      check(cudaMemcpyAsync(tail_count_.data(), counts.data(), counts.size() * sizeof(index_t), cudaMemcpyHostToDevice,
-                            stream),
-            "row count upload");
-      counts_dirty_ = false;
+      tail_count_.assign(counts, stream);
     }
-    if (!dirty_) return;
-    std::vector<const std::byte*> addresses;
-    std::vector<index_t> first_page{0};
-    max_pages_ = 0;
-    for (const auto& ids : stream_pages_) {
-      for (PageId id : ids) addresses.push_back(pool_->payload(id));
-      first_page.push_back(static_cast<index_t>(addresses.size()));
-      max_pages_ = std::max<index_t>(max_pages_, static_cast<index_t>(ids.size()));
-    }
-    pages_ = DeviceBuffer<const std::byte*>(std::span<const std::byte* const>(addresses));
-    first_page_device_ = DeviceBuffer<index_t>(std::span<const index_t>(first_page));
-    key_params_device_ = DeviceBuffer<KeyParams>(std::span<const KeyParams>(key_params_));
-    value_params_device_ = DeviceBuffer<ValueParams>(std::span<const ValueParams>(value_params_));
-    std::vector<index_t> counts;
-    for (const StoredRows& r : rows_) counts.push_back(r.total());
-    tail_count_ = DeviceBuffer<index_t>(std::span<const index_t>(counts));
     dirty_ = counts_dirty_ = false;
   }
 
@@ -406,12 +484,12 @@ class DeviceLayer {
   bool counts_dirty_ = false;  // only row counts changed
   RowBuffers rows_device_;     // every stream's exact prefix and tail rows
   RowBuffers scratch_;         // the page that straddles a stream's tail and new rows
-  DeviceBuffer<const std::byte*> pages_;
-  DeviceBuffer<index_t> first_page_device_;
-  DeviceBuffer<KeyParams> key_params_device_;
-  DeviceBuffer<ValueParams> value_params_device_;
-  DeviceBuffer<index_t> tail_count_;
-  DeviceBuffer<std::byte*> encode_targets_;
+  DeviceTable<const std::byte*> pages_;
+  DeviceTable<index_t> first_page_device_;
+  DeviceTable<KeyParams> key_params_device_;
+  DeviceTable<ValueParams> value_params_device_;
+  DeviceTable<index_t> tail_count_;
+  DeviceTable<std::byte*> encode_targets_;
   AttentionWorkspace workspace_;
 };
 

@@ -5,14 +5,16 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
-#include <mutex>
+#include <limits>
 #include <span>
 #include <utility>
 #include <vector>
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/kernels/cuda/check.cuh"
+#include "kvpack/kernels/cuda/page_ledger.hpp"
 #include "kvpack/paging/page_pool.hpp"
 
 namespace kvpack::inline v0::kernels::cuda {
@@ -59,43 +61,67 @@ class DeviceBuffer {
   std::size_t count_ = 0;
 };
 
+/// A device array whose contents change between launches while its allocation stays: `assign`
+/// copies host values in on a CUDA stream, after the launches queued there before it (which read
+/// the old values), and allocates only when they outgrow it, doubling. So a layer that gains a
+/// page neither allocates nor frees (cudaFree waits for the whole device). A copy from pageable
+/// host memory is staged before `assign` returns (CUDA may wait for the stream to do so), so the
+/// host values may then go.
+template <class T>
+class DeviceTable {
+ public:
+  void assign(std::span<const T> host, cudaStream_t stream) {
+    if (host.size() > buffer_.size()) {
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // launches still reading the old array
+      buffer_ = DeviceBuffer<T>(std::max(host.size(), 2 * buffer_.size()));
+    }
+    if (!host.empty()) {
+      check(cudaMemcpyAsync(buffer_.data(), host.data(), host.size_bytes(), cudaMemcpyHostToDevice, stream),
+            "table upload");
+    }
+    size_ = host.size();
+  }
+
+  [[nodiscard]] T* data() const noexcept { return buffer_.data(); }
+  /// Elements assigned last; the allocation may hold more.
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+ private:
+  DeviceBuffer<T> buffer_;
+  std::size_t size_ = 0;
+};
+
 /// Pages in device memory: one arena of `capacity` payloads of `format.payload_bytes` bytes,
 /// allocated up front (a device pool does not grow: growing would move every page the block
 /// tables point at). Page payloads are byte-identical to the host pool's, so a page moves
-/// between the two with one copy and the kernels of either backend read it. Slot metadata
-/// (positions, live masks) stays on the host. Thread-safe.
+/// between the two with one copy and the kernels of either backend read it. A page may have
+/// several holders (forks share pages; PageLedger counts them). Slot metadata (positions, live
+/// masks) stays on the host. Thread-safe.
 class DevicePagePool {
  public:
-  DevicePagePool(paging::PageFormat format, std::size_t capacity)
-      : format_(format), capacity_(capacity), arena_(format.payload_bytes * capacity) {
+  DevicePagePool(paging::PageFormat format, std::size_t capacity) : format_(format), ledger_(capacity) {
     KVPACK_CHECK(format.payload_bytes > 0 && format.payload_bytes % 64 == 0, kInvalidConfig,
                  ::kvpack::detail::message("DevicePagePool: payload size must be a positive multiple of 64, got ",
                                            format.payload_bytes));
-    KVPACK_CHECK(capacity > 0, kInvalidConfig, "DevicePagePool: capacity must be at least one page");
-    free_.reserve(capacity);
-    for (std::size_t i = capacity; i-- > 0;) free_.push_back(static_cast<PageId>(i));
+    KVPACK_CHECK(capacity <= std::numeric_limits<std::size_t>::max() / format.payload_bytes, kInvalidConfig,
+                 ::kvpack::detail::message("DevicePagePool: ", capacity, " pages of ", format.payload_bytes,
+                                           " bytes overflow the address space"));
+    arena_ = DeviceBuffer<unsigned char>(format.payload_bytes * capacity);
   }
 
   [[nodiscard]] const paging::PageFormat& format() const noexcept { return format_; }
-  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
-  [[nodiscard]] std::size_t pages_in_use() const {
-    std::lock_guard lock(mutex_);
-    return capacity_ - free_.size();
-  }
+  [[nodiscard]] std::size_t capacity() const noexcept { return ledger_.capacity(); }
+  [[nodiscard]] std::size_t pages_in_use() const { return ledger_.pages_in_use(); }
 
-  /// A free page; throws kvpack::OutOfPages when none is left.
-  [[nodiscard]] PageId allocate() {
-    std::lock_guard lock(mutex_);
-    KVPACK_CHECK(!free_.empty(), kOutOfPages,
-                 ::kvpack::detail::message("device page pool exhausted: all ", capacity_, " pages in use"));
-    const PageId id = free_.back();
-    free_.pop_back();
-    return id;
-  }
-  void release(PageId id) noexcept {
-    std::lock_guard lock(mutex_);
-    free_.push_back(id);
-  }
+  /// A free page with one holder; throws kvpack::OutOfPages when none is left.
+  [[nodiscard]] PageId allocate() { return ledger_.allocate(); }
+  /// One more holder of page `id` (a fork sharing it).
+  void retain(PageId id) { ledger_.retain(id); }
+  /// One holder fewer; the page is free again after its last. Called from destructors and
+  /// clean-ups: releasing a page nobody holds, a bug, ends the program with the ledger's message.
+  void release(PageId id) noexcept { ledger_.release(id); }
+  /// Holders of page `id`: 0 while it is free.
+  [[nodiscard]] std::uint32_t holders(PageId id) const { return ledger_.holders(id); }
 
   /// Device address of a page's payload (64-byte aligned: cudaMalloc aligns the arena to 256).
   [[nodiscard]] std::byte* payload(PageId id) const noexcept {
@@ -113,10 +139,8 @@ class DevicePagePool {
 
  private:
   paging::PageFormat format_;
-  std::size_t capacity_;
+  PageLedger ledger_;  // checks the capacity before the arena is allocated
   DeviceBuffer<unsigned char> arena_;
-  mutable std::mutex mutex_;
-  std::vector<PageId> free_;
 };
 
 }  // namespace kvpack::inline v0::kernels::cuda

@@ -448,12 +448,17 @@ __global__ void __launch_bounds__(kThreads)
 /// Device scratch for the splits' partial results; grows to the largest launch, never shrinks.
 class AttentionWorkspace {
  public:
-  void reserve(std::size_t rows, index_t head_dim) {
-    if (max_.size() < rows) {
-      max_ = DeviceBuffer<float>(rows);
-      sum_ = DeviceBuffer<float>(rows);
+  /// Room for `rows` partials of `head_dim` floats. Buffers that must grow wait for `stream`,
+  /// whose launches may still read them; they double, as the split count grows with the context.
+  void reserve(std::size_t rows, index_t head_dim, cudaStream_t stream) {
+    if (max_.size() < rows || acc_.size() < rows * head_dim) {
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     }
-    if (acc_.size() < rows * head_dim) acc_ = DeviceBuffer<float>(rows * head_dim);
+    if (max_.size() < rows) {
+      max_ = DeviceBuffer<float>(std::max(rows, 2 * max_.size()));
+      sum_ = DeviceBuffer<float>(max_.size());
+    }
+    if (acc_.size() < rows * head_dim) acc_ = DeviceBuffer<float>(std::max(rows * head_dim, 2 * acc_.size()));
   }
   [[nodiscard]] float* max() const noexcept { return max_.data(); }
   [[nodiscard]] float* sum() const noexcept { return sum_.data(); }
@@ -537,7 +542,7 @@ index_t launch_generic_attention(const Args& a, index_t max_pages, AttentionWork
   const index_t rotated_planes = (rotated_space<ElementDecoder<KeyCodec>> ? 1 : 0) +
                                  (rotated_space<ElementDecoder<ValueCodec>> ? 1 : 0);
   const LaunchPlan plan = plan_launch(a, max_pages, rotated_planes);
-  workspace.reserve(static_cast<std::size_t>(a.streams) * plan.splits * a.group, a.head_dim);
+  workspace.reserve(static_cast<std::size_t>(a.streams) * plan.splits * a.group, a.head_dim, stream);
 
   auto launch = [&](auto heads) {
     constexpr int G = decltype(heads)::value;
@@ -594,7 +599,7 @@ void attend_paged(const PagedAttentionArgs<device_params_t<KeyCodec>, device_par
     if constexpr (MmaReadable<KeyCodec, ValueCodec>) {
       if (attends_on_tensor_cores<KeyCodec, ValueCodec>(a, kernel)) {
         auto reserve = [&](index_t count) {
-          workspace.reserve(static_cast<std::size_t>(a.streams) * count * a.group, a.head_dim);
+          workspace.reserve(static_cast<std::size_t>(a.streams) * count * a.group, a.head_dim, stream);
           return std::tuple{workspace.max(), workspace.sum(), workspace.acc()};
         };
         return launch_mma_attention<KeyCodec, ValueCodec>(a, max_pages, device_limits().multiprocessors, reserve, stream);
