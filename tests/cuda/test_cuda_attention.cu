@@ -554,16 +554,20 @@ void write_both(HostCache& host, SeqId host_seq, DeviceCache& device, SeqId devi
   gpu::check(cudaDeviceSynchronize(), "write");
 }
 
-/// A device sequence against its host twin in one layer: the same page bytes and row counts,
-/// read_back equal to the host's (positions, decoded pages, fp32 rows), and DeviceKVCache::attend
-/// (scale applied on the device) within the exact bound.
+/// A device sequence against its host twin in one layer: the same page bytes, row counts, length,
+/// last position and codec parameters, read_back equal to the host's (positions, decoded pages,
+/// fp32 rows), and DeviceKVCache::attend (scale applied on the device) within the exact bound.
 template <class HostCache, class DeviceCache>
 void check_twins(const HostCache& host, SeqId host_seq, DeviceCache& device, SeqId device_seq, index_t layer,
                  std::uint32_t seed) {
   check_same_pages(host, host_seq, layer, device.layer(device_seq, layer));
+  CHECK(device.length(device_seq, layer) == host.length(host_seq, layer));
+  CHECK(device.last_position(device_seq, layer) == host.last_position(host_seq, layer));
   for (index_t s = 0; s < host.streams_per_layer(); ++s) {
     const StoredTokens want = host.read_back(host_seq, layer, s);
     const StoredTokens got = device.read_back(device_seq, layer, s);
+    CHECK(device.layer(device_seq, layer).key_params(s) == host.codec_params(layer, s).first);
+    CHECK(device.layer(device_seq, layer).value_params(s) == host.codec_params(layer, s).second);
     CHECK(got.positions == want.positions);
     CHECK(got.keys == want.keys);  // the same bytes through the same scalar decode
     CHECK(got.values == want.values);
@@ -575,6 +579,19 @@ void check_twins(const HostCache& host, SeqId host_seq, DeviceCache& device, Seq
         device.attend(device_seq, layer, std::span<const float>(query, n), std::span<float>(out, n), scale);
       },
       seed);
+}
+
+/// What a device cache holds against its host twin's: pages, their bytes and the elements stored
+/// (forks counting shared tokens again on both), and some device memory for rows and tables.
+template <class HostCache, class DeviceCache>
+void check_same_memory(const HostCache& host, const DeviceCache& device) {
+  const MemoryUsage on_host = host.memory(), on_device = device.memory();
+  CHECK(on_device.pages_in_use == on_host.pages_in_use);
+  CHECK(on_device.page_payload == on_host.page_payload);
+  CHECK(on_device.stored_elements == on_host.stored_elements);
+  CHECK(on_device.tails > 0);
+  CHECK(on_device.tables > 0);
+  CHECK(device.sequence_count() == host.sequence_count());
 }
 
 /// A cache created on the device and a host KVCache fed the same tokens (chunked prefill, appends
@@ -599,8 +616,8 @@ void check_device_cache(index_t page_size, index_t exact_prefix, index_t tail_to
     INFO(Quantizer::name() << " layer " << layer);
     check_twins(host, host_seq, device, device_seq, layer, data_seed++);
   }
-  const std::size_t in_use = device.pool().pages_in_use();
-  CHECK(in_use > 0);
+  check_same_memory(host, device);
+  CHECK(device.pool().pages_in_use() > 0);
   device.release(device_seq);
   CHECK(device.pool().pages_in_use() == 0);
 }
@@ -672,6 +689,7 @@ void check_fork(index_t page_size, index_t exact_prefix, index_t tail_tokens, st
   };
   CHECK(pages_of(device_parent) > shared);  // each filled pages of its own
   CHECK(device.pool().pages_in_use() == pages_of(device_parent) + pages_of(device_child) - shared);
+  check_same_memory(host, device);
   for (index_t layer = 0; layer < 2; ++layer) {
     INFO(Quantizer::name() << " forked, layer " << layer);
     check_twins(host, host_parent, device, device_parent, layer, data_seed++);
@@ -744,6 +762,45 @@ void check_calibration(Quantizer quantizer, index_t page_size, index_t exact_pre
   }
 }
 
+/// Calibration rows made visible: an exact-prefix row at 1000 that must not set the scale, and
+/// the largest value elsewhere in a tail row, which must. Once in a prefill that fills the exact
+/// prefix and a page in one call (the rows after the pinned ones), once in a second prefill after
+/// the first left rows in the tail (the tail rows after the prefix, and the new rows).
+void check_calibration_rows(quant::ScaleGranularity granularity, std::uint32_t seed) {
+  using E4M3 = quant::FP8<quant::E4M3FN>;
+  const E4M3 quantizer(quant::FP8Options{granularity});
+  const ModelShape shape{1, 4, 2, 64};
+  const CacheConfig config = window_config(16, 3, 16);
+  for (const bool tail_first : {false, true}) {
+    KVCache<layout::GQA, E4M3> host(shape, config, quantizer);
+    gpu::DeviceKVCache<E4M3> device(shape, config, 16, quantizer);
+    const SeqId host_seq = host.add_sequence();
+    const SeqId device_seq = device.add_sequence();
+    const index_t tokens = 40;
+    auto keys = test::random_rows(static_cast<std::size_t>(tokens) * 2, 64, seed);
+    auto values = test::random_rows(static_cast<std::size_t>(tokens) * 2, 64, seed + 1);
+    keys[(1 * 2 + 0) * 64 + 5] = 1000.0f;  // exact prefix: token 1, stream 0
+    values[(2 * 2 + 1) * 64 + 7] = -1000.0f;
+    keys[(9 * 2 + 1) * 64 + 3] = 60.0f;  // in the tail either way: token 9, stream 1
+    values[(8 * 2 + 0) * 64 + 4] = 30.0f;
+    const index_t first = tail_first ? 13 : tokens;  // 3 exact + 10 tail rows, no page yet
+    const std::size_t row = 2 * 64;
+    for (const auto [from, count] : {std::pair{index_t{0}, first}, std::pair{first, tokens - first}}) {
+      if (count == 0) continue;
+      const std::span<const float> k(keys.data() + from * row, count * row), v(values.data() + from * row, count * row);
+      const gpu::DeviceBuffer<float> device_keys{k}, device_values{v};
+      host.prefill(host_seq, 0, k, v);
+      device.prefill(device_seq, 0, {device_keys.data(), k.size()}, {device_values.data(), v.size()});
+      gpu::check(cudaDeviceSynchronize(), "prefill");
+    }
+    INFO("per head " << (granularity == quant::ScaleGranularity::kPerHead) << ", tail first " << tail_first);
+    REQUIRE(host.pages(host_seq, 0, 1).size() == 1);
+    CHECK(host.codec_params(0, 1).first.scale == 60.0f / 200.0f);  // the data do what the case needs
+    CHECK(host.codec_params(0, 0).second.scale == 30.0f / 100.0f);
+    check_twins(host, host_seq, device, device_seq, 0, seed + 2);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("a device cache calibrates FP8 scales from the data as the host cache does", "[cuda][device_cache]") {
@@ -753,6 +810,8 @@ TEST_CASE("a device cache calibrates FP8 scales from the data as the host cache 
   check_calibration(quant::FP8<quant::E5M2>{}, 32, 2, 32, 2020);
   check_device_cache<E4M3>(32, 0, 0, 128, 2030);  // calibrated by a prefill that fills pages at once
   check_adopt<E4M3>(32, 0, 0, 2040);              // the host's scales come with the sequence
+  check_calibration_rows(quant::ScaleGranularity::kPerTensor, 2070);
+  check_calibration_rows(quant::ScaleGranularity::kPerHead, 2080);
 
   // A second host cache calibrated on other data: its pages cannot join the device cache's layers.
   const ModelShape shape{1, 4, 2, 64};

@@ -125,12 +125,11 @@ class DeviceKVCache {
                  "cache's");
     Sequence sequence(shape_.layers);
     std::vector<index_t> calibrated_here;  // layers whose parameters this cache takes from the host's
+    std::vector<std::int32_t> positions;
     for (index_t layer = 0; layer < shape_.layers; ++layer) {
-      sequence.layers.push_back(mirror_layer(cache, seq, layer, *pool_));
+      sequence.layers.push_back(mirror_layer(cache, seq, layer, *pool_, &positions));
       Layer& device = sequence.layers.back();
-      for (std::int32_t position : cache.read_back(seq, layer, 0).positions) {
-        sequence.positions[layer].add(position, 1);
-      }
+      for (std::int32_t position : positions) sequence.positions[layer].add(position, 1);
       if (cache.pages(seq, layer, 0).empty()) {
         for (index_t s = 0; s < shape_.kv_heads; ++s) {
           device.set_params(s, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]);
@@ -148,13 +147,14 @@ class DeviceKVCache {
     const SeqId id = next_id_;
     sequences_.emplace(id, std::move(sequence));
     ++next_id_;
-    for (index_t layer : calibrated_here) {  // cannot throw: every sequence's layer is still empty
+    for (index_t layer : calibrated_here) {  // no other sequence holds a page of these layers
+      // The host's parameters for the calibrating planes; this cache's own for the others.
       const Layer& device = sequences_.at(id).layers[layer];
       std::vector<KeyParams> keys;
       std::vector<ValueParams> values;
       for (index_t s = 0; s < shape_.kv_heads; ++s) {
-        keys.push_back(device.key_params(s));
-        values.push_back(device.value_params(s));
+        keys.push_back(calibrates(quantizer_.key) ? device.key_params(s) : key_params_[param_index(layer, s)]);
+        values.push_back(calibrates(quantizer_.value) ? device.value_params(s) : value_params_[param_index(layer, s)]);
       }
       commit_calibration(layer, keys, values, id);
     }
@@ -272,6 +272,46 @@ class DeviceKVCache {
     stored.values.insert(stored.values.end(), row_values.begin() + static_cast<std::ptrdiff_t>(prefix_floats),
                          row_values.end());
     return stored;
+  }
+
+  /// The position of the last token of one layer of a sequence, -1 when it holds none.
+  [[nodiscard]] std::int64_t last_position(SeqId seq, index_t layer) const {
+    return find(seq, "last_position").positions[checked_layer(layer, "last_position")].last();
+  }
+  /// Tokens stored in one layer of a sequence.
+  [[nodiscard]] index_t length(SeqId seq, index_t layer) const {
+    return static_cast<index_t>(find(seq, "length").positions[checked_layer(layer, "length")].size());
+  }
+  [[nodiscard]] std::size_t sequence_count() const noexcept { return sequences_.size(); }
+  /// The codec parameters (layer, kv_head) gives a new sequence: calibrated ones once the layer
+  /// is calibrated.
+  [[nodiscard]] std::pair<KeyParams, ValueParams> codec_params(index_t layer, index_t kv_head) const {
+    layer = checked_layer(layer, "codec_params");
+    KVPACK_CHECK(kv_head >= 0 && kv_head < shape_.kv_heads, kInvalidArgument,
+                 ::kvpack::detail::message("codec_params: stream ", kv_head, " out of range [0, ", shape_.kv_heads,
+                                           ")"));
+    return {key_params_[param_index(layer, kv_head)], value_params_[param_index(layer, kv_head)]};
+  }
+
+  /// Device bytes held, by kind, as KVCache::memory counts host bytes: pages in use, fp32 rows
+  /// (`tails`), block tables, their companions and the attention scratch (`tables`), and the
+  /// elements stored (a fork counts its shared tokens again). Page metadata stays on the host
+  /// (positions as runs); `codec_params` are the cache's host copies.
+  [[nodiscard]] MemoryUsage memory() const {
+    MemoryUsage usage;
+    usage.pages_in_use = pool_->pages_in_use();
+    usage.page_payload = usage.pages_in_use * pool_->format().payload_bytes;
+    usage.codec_params = key_params_.size() * sizeof(KeyParams) + value_params_.size() * sizeof(ValueParams);
+    for (const auto& [id, sequence] : sequences_) {
+      for (index_t layer = 0; layer < shape_.layers; ++layer) {
+        const Layer& device = sequence.layers[layer];
+        usage.tails += device.row_bytes();
+        usage.tables += device.table_bytes() + sequence.scaled_queries[layer].size() * sizeof(float);
+        usage.stored_elements += static_cast<std::size_t>(sequence.positions[layer].size()) * shape_.kv_heads *
+                                 shape_.head_dim * 2;
+      }
+    }
+    return usage;
   }
 
   /// The DeviceLayer behind (seq, layer): its pages, rows and counts.
@@ -432,11 +472,14 @@ class DeviceKVCache {
       try {
         append(device, positions, keys.data(), values.data(), tokens, last, stream);
       } catch (...) {
-        // The parameters go back where no page was encoded with them (append_tokens is all or
-        // nothing for the pool; only a CUDA failure during its launches leaves pages).
-        for (index_t s = 0; s < shape_.kv_heads; ++s) {
-          if (device.pages(s) > 0) continue;
-          device.set_params(s, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]);
+        // append_tokens is all or nothing for the pool: the old parameters go back, unless a CUDA
+        // failure during its launches left pages, which were encoded with the new ones.
+        if (device.pages(0) > 0) {
+          commit_calibration(layer, key_params, value_params, seq);
+        } else {
+          for (index_t s = 0; s < shape_.kv_heads; ++s) {
+            device.set_params(s, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]);
+          }
         }
         throw;
       }

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <span>
 #include <type_traits>
 #include <unordered_map>
@@ -314,6 +315,19 @@ class DeviceLayer {
                      cudaMemcpyDeviceToHost),
           "row download");
   }
+  /// Device bytes of its fp32 rows (and the scratch page), as allocated.
+  [[nodiscard]] std::size_t row_bytes() const noexcept {
+    return (rows_device_.keys.size() + rows_device_.values.size() + scratch_.keys.size() + scratch_.values.size()) *
+           sizeof(float);
+  }
+  /// Device bytes of its block tables, parameters, row counts, encode targets and attention
+  /// scratch, as allocated.
+  [[nodiscard]] std::size_t table_bytes() const noexcept {
+    return pages_.allocated_bytes() + first_page_device_.allocated_bytes() + key_params_device_.allocated_bytes() +
+           value_params_device_.allocated_bytes() + tail_count_.allocated_bytes() + encode_targets_.allocated_bytes() +
+           workspace_.bytes();
+  }
+
   /// Bytes one attend reads from HBM: every stream's pages, plus its full-precision rows.
   [[nodiscard]] std::size_t bytes_read_per_attend() const noexcept {
     std::size_t rows = 0, pages = 0;
@@ -339,7 +353,8 @@ class DeviceLayer {
  private:
   index_t checked_stream(index_t s, const char* call) const {
     KVPACK_CHECK(s >= 0 && s < streams(), kInvalidArgument,
-                 ::kvpack::detail::message("DeviceLayer::", call, ": stream ", s, " out of range [0, ", streams(), ")"));
+                 ::kvpack::detail::message("DeviceLayer::", call, ": stream ", s, " out of range [0, ", streams(),
+                                           ")"));
     return s;
   }
 
@@ -496,10 +511,11 @@ class DeviceLayer {
 /// The layer `layer` of sequence `seq` of a host cache, copied to the device: every stream's
 /// pages (byte for byte; pages the sequence shares with a fork are uploaded once per layer) and
 /// its full-precision rows (exact prefix and tail). Keys stored before RoPE are not supported on
-/// the device yet.
+/// the device yet. `positions`, when given, receives the layer's positions (stream 0's).
 template <class Layout, class Quantizer, class Evictor, class Selector>
 DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> mirror_layer(
-    const KVCache<Layout, Quantizer, Evictor, Selector>& cache, SeqId seq, index_t layer, DevicePagePool& pool) {
+    const KVCache<Layout, Quantizer, Evictor, Selector>& cache, SeqId seq, index_t layer, DevicePagePool& pool,
+    std::vector<std::int32_t>* positions = nullptr) {
   static_assert(!Evictor::kDropsTokens,
                 "mirror_layer: the CUDA kernels do not read live-slot masks yet, so a cache whose evictor "
                 "drops tokens cannot be mirrored");
@@ -520,6 +536,7 @@ DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> mirr
     for (PageId id : ids) host_pages.push_back(cache.pool().payload(id));
     // read_back's order: exact prefix rows, the pages' slots, then the tail rows.
     const StoredTokens stored = cache.read_back(seq, layer, s);
+    if (s == 0 && positions != nullptr) *positions = stored.positions;
     const index_t paged = static_cast<index_t>(ids.size()) * page_size;
     const index_t prefix = std::min<index_t>(cache.config().exact_prefix_tokens, stored.size() - paged);
     std::vector<float> keys, values;

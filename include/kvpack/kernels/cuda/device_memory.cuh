@@ -85,6 +85,7 @@ class DeviceTable {
   [[nodiscard]] T* data() const noexcept { return buffer_.data(); }
   /// Elements assigned last; the allocation may hold more.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t allocated_bytes() const noexcept { return buffer_.size() * sizeof(T); }
 
  private:
   DeviceBuffer<T> buffer_;

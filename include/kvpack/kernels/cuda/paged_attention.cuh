@@ -463,6 +463,7 @@ class AttentionWorkspace {
   [[nodiscard]] float* max() const noexcept { return max_.data(); }
   [[nodiscard]] float* sum() const noexcept { return sum_.data(); }
   [[nodiscard]] float* acc() const noexcept { return acc_.data(); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return (max_.size() + sum_.size() + acc_.size()) * sizeof(float); }
 
  private:
   DeviceBuffer<float> max_, sum_, acc_;
