@@ -452,9 +452,12 @@ class DeviceKVCache {
     Layer& device = sequence.layers[layer];
     PositionRuns& positions = sequence.positions[layer];
     positions.reserve();  // so that adding this write's positions below cannot throw
+    // Only a layer still to be calibrated plans ahead whether this write encodes its first page.
     const RowRule rule{config_.page_size, {config_.exact_prefix_tokens, config_.tail_tokens}};
-    const bool first_page = plan_row_append(device.stored_rows(0), static_cast<index_t>(tokens), rule).new_pages > 0;
-    if (calibrated_[layer] || !first_page) {
+    const auto first_page = [&] {
+      return plan_row_append(device.stored_rows(0), static_cast<index_t>(tokens), rule).new_pages > 0;
+    };
+    if (calibrated_[layer] || !first_page()) {
       append(device, positions, keys.data(), values.data(), tokens, last, stream);
     } else {
       // The layer's first page: its parameters come from the rows that fill it, as on the host.

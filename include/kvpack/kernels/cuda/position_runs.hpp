@@ -11,8 +11,10 @@ namespace kvpack::inline v0::kernels::cuda {
 
 class PositionRuns {
  public:
-  /// Makes room for one more run, so that the next `add` cannot throw.
-  void reserve() { runs_.reserve(runs_.size() + 1); }
+  /// Makes room for one more run, so that the next `add` cannot throw (doubling when full).
+  void reserve() {
+    if (runs_.size() == runs_.capacity()) runs_.reserve(2 * runs_.size() + 1);
+  }
   /// Appends positions first, first + 1, ..., first + count - 1 (nothing when count <= 0).
   void add(std::int64_t first, std::int64_t count) {
     if (count <= 0) return;
