@@ -2373,21 +2373,11 @@ class KVCache {
     return key;
   }
 
-  /// Every (layer, stream)'s key and value parameters, by their object bytes: FP8 scales;
-  /// KVQuant's table pointers and outlier fraction; TurboQuant's table store, layer and seed.
-  /// Pointers name tables inside this cache's quantizer, which is what a key needs (the index
-  /// belongs to this cache). Padding bytes could make equal parameters differ, which would only
-  /// lose a hit, never share a wrong page.
+  /// Every (layer, stream)'s key and value parameters, by their object bytes (paging's
+  /// codec_params_fingerprint), read under the lock commit_calibration writes them under.
   [[nodiscard]] std::uint64_t codec_params_fingerprint() {
-    static_assert(std::is_trivially_copyable_v<KeyParams> && std::is_trivially_copyable_v<ValueParams>,
-                  "prefix sharing fingerprints codec parameters by their bytes");
-    paging::Fingerprint f;
-    std::lock_guard lock(calibration_mutex_);  // commit_calibration writes them under it
-    for (std::size_t p = 0; p < key_params_.size(); ++p) {
-      if constexpr (!std::is_empty_v<KeyParams>) f.add_bytes(std::as_bytes(std::span(&key_params_[p], 1)));
-      if constexpr (!std::is_empty_v<ValueParams>) f.add_bytes(std::as_bytes(std::span(&value_params_[p], 1)));
-    }
-    return f.value();
+    std::lock_guard lock(calibration_mutex_);
+    return paging::codec_params_fingerprint<KeyParams, ValueParams>(key_params_, value_params_);
   }
 
   /// The cache options that change page bytes or which stream a page belongs to: pre-RoPE keys

@@ -22,7 +22,7 @@
 /// its parameters, cache options, salt), compared field by field: pages of caches that differ in
 /// any of them never meet.
 ///
-/// **References.** The index holds one pool reference on each page of each node (PagePool::retain
+/// **References.** The index holds one pool reference on each page of each node (the pool's retain
 /// at insert, release at eviction). Callers that keep page ids in their own tables hold their own
 /// references, as fork does; a page whose count is above 1 is shared, so a cache copies it before
 /// changing it. A PrefixLease pins a node and so its whole path (a node with children is never
@@ -46,7 +46,7 @@
 #include "kvpack/paging/detail/indexed_min_heap.hpp"
 #include "kvpack/paging/detail/node_hash_table.hpp"
 #include "kvpack/paging/fingerprint.hpp"
-#include "kvpack/paging/page_pool.hpp"
+#include "kvpack/paging/page_references.hpp"
 #include "kvpack/paging/prefix_key.hpp"
 
 namespace kvpack::inline v0::paging {
@@ -161,11 +161,12 @@ class PrefixIndex {
   /// Evict everything that is not pinned.
   static constexpr std::size_t kAllPages = std::numeric_limits<std::size_t>::max();
 
-  /// \param pool the pool the pages come from; must outlive the index
+  /// \param pool the pool the pages come from (PagePool, the device's pool); must outlive the
+  ///        index
   /// \param page_size tokens per page (the cache's CacheConfig::page_size)
   /// \param streams page ids per token page: every (cache layer, KV stream) of the cache
-  PrefixIndex(PagePool& pool, index_t page_size, std::size_t streams,
-              PrefixIndexOptions options = {})
+  template <ReferenceCountedPool Pool>
+  PrefixIndex(Pool& pool, index_t page_size, std::size_t streams, PrefixIndexOptions options = {})
       : pool_(pool),
         page_size_(static_cast<std::size_t>(page_size)),
         streams_(streams),
@@ -234,7 +235,7 @@ class PrefixIndex {
   /// Caches a sequence's whole pages: `tokens` (a multiple of page_size) and their page ids,
   /// [pages][streams], pages of this index's pool that the caller holds. Pages already cached
   /// keep their ids (the caller's duplicates are not referenced); new ones get an index reference
-  /// each (PagePool::retain). Returns a lease on the whole path. All or nothing: on an exception
+  /// each (the pool's retain). Returns a lease on the whole path. All or nothing: on an exception
   /// nothing changed.
   /// \throws kvpack::Error(kInvalidArgument) for a bad key, a partial page, or a page-id count
   ///         other than pages × streams
@@ -316,8 +317,7 @@ class PrefixIndex {
     PrefixIndexStats s = stats_;
     s.cached_pages = cached_nodes_ - namespaces_.size();  // every namespace has one root node
     s.cached_pool_pages = s.cached_pages * streams_;
-    s.cached_page_bytes =
-        s.cached_pool_pages * (pool_.format().payload_bytes + pool_.format().metadata_bytes);
+    s.cached_page_bytes = s.cached_pool_pages * pool_.page_bytes();
     s.evictable_pages = heap_.size();
     s.namespaces = namespaces_.size();
     s.index_bytes = nodes_.capacity() * sizeof(Node) + tokens_.capacity() * sizeof(TokenId) +
@@ -487,7 +487,7 @@ class PrefixIndex {
     }
   }
 
-  PagePool& pool_;
+  PageReferences pool_;
   std::size_t page_size_;
   std::size_t streams_;
   PrefixIndexOptions::BlockHash block_hash_;

@@ -7,7 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
+#include <type_traits>
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
@@ -61,6 +63,25 @@ struct PrefixKey {
 
   friend bool operator==(const PrefixKey&, const PrefixKey&) = default;
 };
+
+/// PrefixKey::codec_params for a cache whose codecs take these parameters, [layers][streams]
+/// each (as many values as keys): their object bytes (FP8's scales; KVQuant's table pointers,
+/// which name tables inside one cache's quantizer, as a key of that cache's own index needs).
+/// Padding bytes could make equal parameters differ, which would only lose a hit, never share a
+/// wrong page.
+template <class KeyParams, class ValueParams>
+[[nodiscard]] std::uint64_t codec_params_fingerprint(std::span<const KeyParams> keys,
+                                                     std::span<const ValueParams> values) noexcept {
+  static_assert(
+      std::is_trivially_copyable_v<KeyParams> && std::is_trivially_copyable_v<ValueParams>,
+      "prefix sharing fingerprints codec parameters by their bytes");
+  Fingerprint f;
+  for (std::size_t p = 0; p < keys.size() && p < values.size(); ++p) {
+    if constexpr (!std::is_empty_v<KeyParams>) f.add_bytes(std::as_bytes(keys.subspan(p, 1)));
+    if constexpr (!std::is_empty_v<ValueParams>) f.add_bytes(std::as_bytes(values.subspan(p, 1)));
+  }
+  return f.value();
+}
 
 struct PrefixKeyHash {
   std::size_t operator()(const PrefixKey& key) const noexcept {

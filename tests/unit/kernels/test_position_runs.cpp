@@ -26,6 +26,11 @@ TEST_CASE("position runs merge consecutive positions and keep gaps", "[cuda_plan
   CHECK(runs.last() == 11);
   CHECK(runs.size() == 9);
   CHECK(runs.expand() == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 6, 10, 11});
+  CHECK(runs.counted_from_zero() == 7);  // the gap ends what a prefix cache may share
+  PositionRuns late;
+  late.add(1, 8);
+  CHECK(late.counted_from_zero() == 0);
+  CHECK(PositionRuns{}.counted_from_zero() == 0);
 }
 
 TEST_CASE("position runs expand to every position added, against a model", "[cuda_plan]") {
@@ -45,4 +50,7 @@ TEST_CASE("position runs expand to every position added, against a model", "[cud
   CHECK(runs.size() == static_cast<std::int64_t>(model.size()));
   CHECK(runs.expand() == model);
   CHECK(runs.runs() < model.size() / 4);  // runs, not one entry per position
+  std::int64_t from_zero = 0;
+  while (from_zero < static_cast<std::int64_t>(model.size()) && model[from_zero] == from_zero) ++from_zero;
+  CHECK(runs.counted_from_zero() == from_zero);
 }

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvpack/kernels/cuda/page_ledger.hpp"
 #include "kvpack/paging/fingerprint.hpp"
 #include "kvpack/paging/page_pool.hpp"
 #include "kvpack/paging/prefix_index.hpp"
@@ -48,9 +49,28 @@ struct Sequence {
   PrefixLease lease;
 };
 
+// The device cache's pool without its GPU arena: the same ledger, which (unlike PagePool) refuses
+// a release of a page nobody holds, so an index that releases once too often ends the test.
+class LedgerPool {
+ public:
+  explicit LedgerPool(std::size_t capacity) : ledger_(capacity) {}
+  void allocate(std::span<PageId> out) {
+    for (PageId& id : out) id = ledger_.allocate();
+  }
+  void retain(PageId id) noexcept { ledger_.retain(id); }
+  void release(PageId id) noexcept { ledger_.release(id); }
+  [[nodiscard]] std::uint32_t ref_count(PageId id) const noexcept { return ledger_.holders(id); }
+  [[nodiscard]] const PageFormat& format() const noexcept { return format_; }
+  [[nodiscard]] std::size_t pages_in_use() const { return ledger_.pages_in_use(); }
+
+ private:
+  kvpack::kernels::cuda::PageLedger ledger_;
+  PageFormat format_{64, 0};  // the device keeps slot metadata on the host
+};
+
 // Prefills the whole pages of `tokens` into fresh pool pages (one per stream) and caches them.
-Sequence prefill_and_insert(PrefixIndex& index, PagePool& pool, const PrefixKey& key,
-                            Tokens tokens) {
+template <class Pool>
+Sequence prefill_and_insert(PrefixIndex& index, Pool& pool, const PrefixKey& key, Tokens tokens) {
   Sequence s;
   s.tokens = std::move(tokens);
   const std::size_t whole = s.tokens.size() / kPage;
@@ -60,7 +80,8 @@ Sequence prefill_and_insert(PrefixIndex& index, PagePool& pool, const PrefixKey&
   return s;
 }
 
-void release(PagePool& pool, Sequence& s) {
+template <class Pool>
+void release(Pool& pool, Sequence& s) {
   for (PageId id : s.pages) pool.release(id);
   s.pages.clear();
   s.lease.reset();
@@ -113,9 +134,9 @@ struct Reference {
   }
 };
 
-void check_against_reference(PrefixIndexOptions options) {
+template <class Pool>
+void check_against_reference(PrefixIndexOptions options, Pool pool) {
   constexpr std::size_t kStreams = 3;
-  PagePool pool(PageFormat{64, 8}, 1 << 16);
   PrefixIndex index(pool, kPage, kStreams, options);
   // Three namespaces: another codec parameter set and another salt must not see the first's pages.
   const PrefixKey keys[3] = {make_key("q8_0", 7), make_key("q8_0", 8),
@@ -169,11 +190,21 @@ void check_against_reference(PrefixIndexOptions options) {
   CHECK(index.stats().namespaces == 0);
 }
 
+void check_against_reference(PrefixIndexOptions options) {
+  check_against_reference(options, PagePool(PageFormat{64, 8}, 1 << 16));
+}
+
 }  // namespace
 
 TEST_CASE("match finds the longest cached whole-page prefix, as a brute-force search does",
           "[paging][prefix]") {
   check_against_reference({});
+}
+
+TEST_CASE("over the device pool's ledger the index matches, counts and frees as over PagePool",
+          "[paging][prefix]") {
+  check_against_reference({}, LedgerPool(1 << 16));
+  check_against_reference({&constant_hash}, LedgerPool(1 << 16));
 }
 
 TEST_CASE("with every page hashing alike, matching still compares tokens and stays exact",

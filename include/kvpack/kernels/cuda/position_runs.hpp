@@ -45,6 +45,10 @@ class PositionRuns {
     }
     return positions;
   }
+  /// How many tokens from the first hold positions 0, 1, 2, …: those a prefix cache may share.
+  [[nodiscard]] std::int64_t counted_from_zero() const noexcept {
+    return !runs_.empty() && runs_.front().first == 0 ? runs_.front().count : 0;
+  }
   /// Runs kept (one per gap, plus one).
   [[nodiscard]] std::size_t runs() const noexcept { return runs_.size(); }
 
