@@ -532,8 +532,25 @@ TEST_CASE("tokens appended on the device follow the host cache's pages and rows"
 
 namespace {
 
-/// Writes `tokens` random tokens to one layer of a host sequence and of a device sequence: a
-/// prefill when `position` < 0, else one append at `position`.
+/// Writes the same rows ([tokens][kv_heads][head_dim]) to a host and a device sequence: a
+/// prefill when `position` < 0, else an append at `position`.
+template <class HostCache, class DeviceCache>
+void write_rows_both(HostCache& host, SeqId host_seq, DeviceCache& device, SeqId device_seq, index_t layer,
+                     std::span<const float> keys, std::span<const float> values, std::int64_t position) {
+  const gpu::DeviceBuffer<float> device_keys{keys};
+  const gpu::DeviceBuffer<float> device_values{values};
+  const std::span<const float> dk(device_keys.data(), keys.size()), dv(device_values.data(), values.size());
+  if (position < 0) {
+    host.prefill(host_seq, layer, keys, values);
+    device.prefill(device_seq, layer, dk, dv);
+  } else {
+    host.append(host_seq, layer, keys, values, position);
+    device.append(device_seq, layer, dk, dv, position);
+  }
+  gpu::check(cudaDeviceSynchronize(), "write");
+}
+
+/// write_rows_both with `tokens` random tokens (keys with outlier channels).
 template <class HostCache, class DeviceCache>
 void write_both(HostCache& host, SeqId host_seq, DeviceCache& device, SeqId device_seq, index_t layer,
                 index_t tokens, std::int64_t position, std::uint32_t& seed) {
@@ -541,17 +558,8 @@ void write_both(HostCache& host, SeqId host_seq, DeviceCache& device, SeqId devi
   const std::size_t rows = static_cast<std::size_t>(tokens) * shape.kv_heads;
   const auto keys = test::random_rows(rows, shape.head_dim, seed++, 4, 10.0f);
   const auto values = test::random_rows(rows, shape.head_dim, seed++);
-  const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
-  const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
-  const std::span<const float> dk(device_keys.data(), keys.size()), dv(device_values.data(), values.size());
-  if (position < 0) {
-    host.prefill(host_seq, layer, std::span<const float>(keys), std::span<const float>(values));
-    device.prefill(device_seq, layer, dk, dv);
-  } else {
-    host.append(host_seq, layer, std::span<const float>(keys), std::span<const float>(values), position);
-    device.append(device_seq, layer, dk, dv, position);
-  }
-  gpu::check(cudaDeviceSynchronize(), "write");
+  write_rows_both(host, host_seq, device, device_seq, layer, std::span<const float>(keys),
+                  std::span<const float>(values), position);
 }
 
 /// A device sequence against its host twin in one layer: the same page bytes, row counts, length,
@@ -890,6 +898,169 @@ TEST_CASE("a decode on a non-blocking stream needs no synchronisation between st
   check_unsynchronized_stream<quant::Float<kvpack::half>>(16, 2110);  // generic kernel
 }
 
+namespace {
+
+/// One prompt's K/V in every layer ([tokens][kv_heads][head_dim] keys and values per layer): the
+/// same tokens must be written with the same K/V for a cached prefix to stand for them.
+struct PromptRows {
+  std::vector<std::vector<float>> keys, values;  // per layer
+
+  PromptRows(const ModelShape& shape, index_t tokens, std::uint32_t seed) {
+    const std::size_t rows = static_cast<std::size_t>(tokens) * shape.kv_heads;
+    for (index_t layer = 0; layer < shape.layers; ++layer) {
+      keys.push_back(test::random_rows(rows, shape.head_dim, seed++, 4, 10.0f));
+      values.push_back(test::random_rows(rows, shape.head_dim, seed++));
+    }
+  }
+  /// Tokens [first, end) of one layer, as floats of keys or values.
+  static std::span<const float> rows(const std::vector<float>& all, const ModelShape& shape, index_t first) {
+    const std::size_t offset = static_cast<std::size_t>(first) * shape.kv_heads * shape.head_dim;
+    return std::span<const float>(all).subspan(offset);
+  }
+};
+
+/// A request on both sides: starts on the cache's cached prefix of `prompt`, prefills the rest of
+/// it and decodes `decode` random tokens. Returns the two sequences.
+template <class HostCache, class DeviceCache>
+std::pair<SeqId, SeqId> serve_both(HostCache& host, DeviceCache& device, const std::vector<paging::TokenId>& prompt,
+                                   const PromptRows& rows, std::string_view salt, index_t decode,
+                                   std::uint32_t& seed, index_t* cached = nullptr) {
+  const PrefixHit on_host = host.add_sequence(prompt, salt);
+  const PrefixHit on_device = device.add_sequence(prompt, salt);
+  REQUIRE(on_device.cached_tokens == on_host.cached_tokens);  // the rows below start there on both
+  if (cached != nullptr) *cached = on_device.cached_tokens;
+  const ModelShape& shape = host.shape();
+  const auto length = static_cast<index_t>(prompt.size());
+  for (index_t layer = 0; layer < shape.layers; ++layer) {
+    CHECK(device.length(on_device.seq, layer) == on_device.cached_tokens);
+    write_rows_both(host, on_host.seq, device, on_device.seq, layer,
+                    PromptRows::rows(rows.keys[layer], shape, on_host.cached_tokens),
+                    PromptRows::rows(rows.values[layer], shape, on_host.cached_tokens), -1);
+    for (index_t t = 0; t < decode; ++t) {
+      write_both(host, on_host.seq, device, on_device.seq, layer, 1, length + t, seed);
+    }
+  }
+  return {on_host.seq, on_device.seq};
+}
+
+/// Prefix sharing on both sides with the same requests: a first prefills a prompt, decodes and
+/// caches the prompt's whole pages (share_prefix, then release); a second with the same prompt
+/// starts on them (as many tokens on both sides), prefills only the rest and decodes otherwise;
+/// both then hold their twins' pages and attend like them, with the same pages in use (the
+/// index's included). A fork shares the second's pin on the cached pages. A third under another
+/// salt finds nothing. Releasing everything leaves the cached pages, which evict_prefix_cache
+/// gives back.
+template <class Quantizer>
+void check_prefix_sharing(index_t page_size, index_t tail_tokens, std::uint32_t seed) {
+  const ModelShape shape{2, 4, 2, 64};
+  CacheConfig config = window_config(page_size, 0, tail_tokens);
+  config.prefix_sharing = PrefixSharing{"prefix-test"};
+  KVCache<layout::GQA, Quantizer> host(shape, config);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 96);
+  const index_t length = 3 * page_size + tail_tokens + 5;
+  std::vector<paging::TokenId> prompt(static_cast<std::size_t>(length));
+  for (index_t i = 0; i < length; ++i) prompt[i] = 1000 + 7 * i;
+  const PromptRows rows(shape, length, seed);
+  std::uint32_t data_seed = seed + 100;
+  const auto holders_of_first_pages = [&](SeqId seq) {
+    std::vector<std::uint32_t> holders;
+    for (index_t layer = 0; layer < 2; ++layer) {
+      for (index_t s = 0; s < 2; ++s) {
+        holders.push_back(device.pool().ref_count(device.layer(seq, layer).page_id(s, 0)));
+      }
+    }
+    return holders;
+  };
+
+  const auto [host_first, device_first] = serve_both(host, device, prompt, rows, "", 4, data_seed);
+  CHECK(holders_of_first_pages(device_first) == std::vector<std::uint32_t>(4, 1));
+  CHECK(host.share_prefix(host_first) == 3 * page_size);
+  CHECK(device.share_prefix(device_first) == 3 * page_size);
+  CHECK(holders_of_first_pages(device_first) == std::vector<std::uint32_t>(4, 2));  // the sequence, the index
+  host.release(host_first);
+  device.release(device_first);
+  CHECK(device.prefix_stats().cached_pages == 3);
+  CHECK(host.prefix_stats().cached_pages == 3);
+
+  index_t cached = 0;
+  const auto [host_second, device_second] = serve_both(host, device, prompt, rows, "", page_size + 2, data_seed,
+                                                       &cached);
+  CHECK(cached == 3 * page_size);
+  check_same_memory(host, device);
+  CHECK(holders_of_first_pages(device_second) == std::vector<std::uint32_t>(4, 2));  // shared, not copied
+  for (index_t layer = 0; layer < 2; ++layer) {
+    INFO(Quantizer::name() << " started on a cached prefix, layer " << layer);
+    for (index_t s = 0; s < 2; ++s) CHECK(device.layer(device_second, layer).pages(s) >= 3);
+    check_twins(host, host_second, device, device_second, layer, data_seed++);
+  }
+  const SeqId device_fork = device.fork(device_second);
+  CHECK(holders_of_first_pages(device_fork) == std::vector<std::uint32_t>(4, 3));
+  device.release(device_second);
+  CHECK(device.evict_prefix_cache().token_pages == 0);  // the fork's lease still pins the prefix
+  CHECK(device.prefix_stats().cached_pages == 3);
+
+  const auto [host_other, device_other] = serve_both(host, device, prompt, rows, "tenant-b", 0, data_seed, &cached);
+  CHECK(cached == 0);
+  for (index_t layer = 0; layer < 2; ++layer) check_twins(host, host_other, device, device_other, layer, data_seed++);
+
+  host.release(host_second);
+  host.release(host_other);
+  device.release(device_other);
+  device.release(device_fork);
+  const paging::PrefixIndexStats stats = device.prefix_stats();
+  CHECK(stats.cached_pool_pages == device.pool().pages_in_use());
+  CHECK(device.evict_prefix_cache().pool_pages_freed == stats.cached_pool_pages);
+  CHECK(device.pool().pages_in_use() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("a device cache shares prompt prefixes as the host cache does", "[cuda][device_cache][prefix]") {
+  check_prefix_sharing<quant::Q4_0>(32, 0, 2100);
+  check_prefix_sharing<quant::Float<kvpack::half>>(16, 16, 2110);
+  check_prefix_sharing<quant::FP8<quant::E4M3FN>>(16, 0, 2120);  // scales calibrated by the first request
+}
+
+TEST_CASE("a write that finds the device pool full gives back cached prefixes first", "[cuda][device_cache][prefix]") {
+  const ModelShape shape{2, 4, 2, 64};
+  CacheConfig config = window_config(16, 0, 0);
+  config.prefix_sharing = PrefixSharing{"prefix-test"};
+  // Three pages per stream for a prompt of 3 pages and 5 tokens: the pool holds one such request.
+  gpu::DeviceKVCache<quant::Q4_0> device(shape, config, 12);
+  const index_t length = 3 * 16 + 5;
+  std::vector<paging::TokenId> first(static_cast<std::size_t>(length)), second(first.size());
+  for (index_t i = 0; i < length; ++i) {
+    first[i] = i;
+    second[i] = 500 + i;
+  }
+  const PromptRows rows(shape, length, 2200);
+  const auto prefill = [&](const std::vector<paging::TokenId>& prompt) {
+    const PrefixHit hit = device.add_sequence(prompt);
+    for (index_t layer = 0; layer < 2; ++layer) {
+      const gpu::DeviceBuffer<float> keys{std::span<const float>(rows.keys[layer])};
+      const gpu::DeviceBuffer<float> values{std::span<const float>(rows.values[layer])};
+      device.prefill(hit.seq, layer, std::span<const float>(keys.data(), rows.keys[layer].size()),
+                     std::span<const float>(values.data(), rows.values[layer].size()));
+    }
+    gpu::check(cudaDeviceSynchronize(), "prefill");
+    return hit;
+  };
+  const PrefixHit a = prefill(first);
+  CHECK(a.cached_tokens == 0);
+  CHECK(device.pool().pages_in_use() == 12);
+  device.release(a.seq);
+  CHECK(device.prefix_stats().cached_pool_pages == 12);  // still held, by the index alone
+  const PrefixHit b = prefill(second);  // needs all 12 pages: the cached ones go
+  CHECK(b.cached_tokens == 0);
+  CHECK(device.prefix_stats().evicted_pages == 3);
+  CHECK(device.prefix_stats().cached_pool_pages == 0);
+  CHECK(device.pool().pages_in_use() == 12);
+  device.release(b.seq);
+  const PrefixHit c = device.add_sequence(second);  // the second prompt is cached now
+  CHECK(c.cached_tokens == 3 * 16);
+  CHECK(device.pool().pages_in_use() == 12);  // shared, not copied
+}
+
 TEST_CASE("a cache created on the device rejects what it cannot do, and says why", "[cuda][device_cache]") {
   const ModelShape shape{1, 4, 2, 64};
   CacheConfig config;
@@ -930,6 +1101,20 @@ TEST_CASE("a cache created on the device rejects what it cannot do, and says why
   rope.key_rope = RopeSpec{};
   expect_error([&] { static_cast<void>(gpu::DeviceKVCache<quant::Q4_0>(shape, rope, 8)); }, ErrorCode::kUnsupported,
                "before RoPE");
+  // Prefix sharing: off here; with an exact prefix (fp32 rows per sequence, which no page holds).
+  const std::vector<paging::TokenId> prompt(40, 3);
+  expect_error([&] { static_cast<void>(cache.add_sequence(prompt)); }, ErrorCode::kUnsupported,
+               "set CacheConfig.prefix_sharing");
+  const SeqId plain = cache.add_sequence();
+  expect_error([&] { cache.share_prefix(plain); }, ErrorCode::kUnsupported, "prefix sharing is off");
+  CacheConfig sharing = config;
+  sharing.prefix_sharing = PrefixSharing{"m"};
+  gpu::DeviceKVCache<quant::Q4_0> shared(shape, sharing, 8);
+  const SeqId untokened = shared.add_sequence();
+  expect_error([&] { shared.share_prefix(untokened); }, ErrorCode::kInvalidArgument, "was added without tokens");
+  sharing.exact_prefix_tokens = 4;
+  expect_error([&] { static_cast<void>(gpu::DeviceKVCache<quant::Q4_0>(shape, sharing, 8)); },
+               ErrorCode::kUnsupported, "needs exact_prefix_tokens == 0, got 4");
 }
 
 int main(int argc, char** argv) {

@@ -14,6 +14,8 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,6 +25,7 @@
 #include "kvpack/kernels/cuda/device_layer.cuh"
 #include "kvpack/kernels/cuda/position_runs.hpp"
 #include "kvpack/layout/gqa.hpp"
+#include "kvpack/paging/prefix_index.hpp"
 
 namespace kvpack::inline v0::kernels::cuda {
 
@@ -38,13 +41,16 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
 }  // namespace device_cache_detail
 
 /// Grouped-query attention only (layout::GQA: one stream per KV head). Not yet: evictors,
-/// selectors, prefix sharing, keys stored before RoPE and codecs the device cannot encode
-/// (KVQuant, TurboQuant): each is rejected at compile time or by the constructor. A codec that
-/// calibrates from the data (FP8's default) takes a layer's parameters as KVCache does, from the
-/// rows of the first write that encodes a page of that layer. Calls that touch one sequence's
-/// layer run on one CUDA stream at a time, any stream (its tables, rows, workspace and scaled
-/// query are ordered by it); add_sequence and adopt are synchronous, fork and read_back wait for
-/// the whole device. Not thread-safe: one host thread at a time.
+/// selectors, keys stored before RoPE and codecs the device cannot encode (KVQuant, TurboQuant):
+/// each is rejected at compile time or by the constructor. A codec that calibrates from the data
+/// (FP8's default) takes a layer's parameters as KVCache does, from the rows of the first write
+/// that encodes a page of that layer. Prefix sharing (CacheConfig::prefix_sharing) works as
+/// KVCache's, over this cache's own PrefixIndex of device pages: add_sequence(tokens) starts on
+/// the cached pages of a prompt's longest whole-page prefix, share_prefix and release cache them.
+/// Calls that touch one sequence's layer run on one CUDA stream at a time, any stream (its
+/// tables, rows, workspace and scaled query are ordered by it); add_sequence and adopt are
+/// synchronous, fork, read_back and share_prefix wait for the whole device. Not thread-safe: one
+/// host thread at a time.
 template <class Quantizer>
   requires DeviceEncodable<typename Quantizer::key_codec> && DeviceEncodable<typename Quantizer::value_codec>
 class DeviceKVCache {
@@ -66,14 +72,22 @@ class DeviceKVCache {
     const quant::PageGeometry g{config_.page_size, shape_.head_dim};
     quantizer_.key.validate(g);
     quantizer_.value.validate(g);
-    KVPACK_CHECK(!config_.key_rope && !config_.prefix_sharing, kUnsupported,
-                 "DeviceKVCache: keys stored before RoPE and prefix sharing are not supported on the device yet");
+    KVPACK_CHECK(!config_.key_rope, kUnsupported,
+                 "DeviceKVCache: keys stored before RoPE are not supported on the device yet");
+    // The exact prefix is fp32 rows per sequence, not pages: a hit could not supply them.
+    KVPACK_CHECK(!config_.prefix_sharing || config_.exact_prefix_tokens == 0, kUnsupported,
+                 ::kvpack::detail::message("CacheConfig.prefix_sharing shares whole pages from the first token: it "
+                                           "needs exact_prefix_tokens == 0, got ", config_.exact_prefix_tokens));
     KVPACK_CHECK(device_availability().count > 0, kUnsupported,
                  ::kvpack::detail::message("DeviceKVCache: ", device_availability().reason));
     value_offset_ = round_up_64(quantizer_.key.plane_bytes(g));
     paging::PageFormat format;
     format.payload_bytes = round_up_64(value_offset_ + quantizer_.value.plane_bytes(g));
     pool_ = std::make_unique<DevicePagePool>(format, device_pages);
+    if (config_.prefix_sharing) {
+      prefix_index_ = std::make_unique<paging::PrefixIndex>(
+          *pool_, config_.page_size, static_cast<std::size_t>(shape_.layers) * shape_.kv_heads);
+    }
     for (index_t layer = 0; layer < shape_.layers; ++layer) {
       for (index_t s = 0; s < shape_.kv_heads; ++s) {
         key_params_.push_back(quantizer_.key.initial_params(layer, s));
@@ -89,25 +103,76 @@ class DeviceKVCache {
 
   /// Starts an empty sequence: every layer gets one stream per KV head.
   [[nodiscard]] SeqId add_sequence() {
-    Sequence sequence(shape_.layers);
-    for (index_t layer = 0; layer < shape_.layers; ++layer) {
-      sequence.layers.emplace_back(*pool_, shape_.group_size(), config_.page_size, shape_.head_dim, value_offset_,
-                                   TailWindow{config_.exact_prefix_tokens, config_.tail_tokens});
-      for (index_t s = 0; s < shape_.kv_heads; ++s) {
-        sequence.layers.back().add_stream({}, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)],
-                                          {}, {});
-      }
-    }
-    const SeqId id = next_id_++;
+    Sequence sequence = sequence_on({});
+    const SeqId id = next_id_;
     sequences_.emplace(id, std::move(sequence));
+    ++next_id_;
     return id;
   }
 
+  /// Starts a sequence whose first tokens are `prompt`, on the cached pages of its longest
+  /// whole-page prefix when this cache holds them under the same salt and codec parameters, as
+  /// KVCache::add_sequence(tokens) does (its documentation holds here): `cached_tokens` tokens at
+  /// positions 0 … cached_tokens − 1 in every layer, at least max(1, tail_tokens) prompt tokens
+  /// left to prefill, and the caller's promise that the K/V it writes at positions 0 … n − 1 are
+  /// those of prompt[0 … n − 1]. Synchronous.
+  /// \throws kvpack::Error(kUnsupported) without CacheConfig::prefix_sharing
+  [[nodiscard]] PrefixHit add_sequence(std::span<const paging::TokenId> prompt, std::string_view salt = {}) {
+    KVPACK_CHECK(prefix_index_ != nullptr, kUnsupported,
+                 "add_sequence(tokens) shares prompt prefixes: set CacheConfig.prefix_sharing (or call "
+                 "add_sequence())");
+    const std::size_t left = std::max<std::size_t>(1, static_cast<std::size_t>(config_.tail_tokens));
+    const std::size_t lookup = prompt.size() > left ? prompt.size() - left : 0;
+    std::string salt_of_prompt(salt);
+    paging::PrefixMatch hit = prefix_index_->match(prefix_key(salt_of_prompt), prompt.first(lookup));
+    Sequence sequence = sequence_on(hit);
+    sequence.prompt.assign(prompt.begin(), prompt.end());
+    sequence.salt = std::move(salt_of_prompt);
+    sequence.lease = std::move(hit.lease);
+    const SeqId id = next_id_;
+    sequences_.emplace(id, std::move(sequence));
+    ++next_id_;
+    return {id, static_cast<index_t>(hit.tokens)};
+  }
+
+  /// Caches the whole pages of a sequence's prompt (given to add_sequence(tokens)) that every
+  /// layer holds at positions 0, 1, … (as KVCache::share_prefix), so that sequences added from
+  /// now on reuse them; release does the same. Waits for the whole device first: other sequences
+  /// may read the pages on any stream once they are cached. Returns the prompt tokens now cached.
+  /// \throws kvpack::Error(kUnsupported) without prefix sharing, (kInvalidArgument) for a
+  ///         sequence added without tokens
+  index_t share_prefix(SeqId seq) {
+    Sequence& sequence = find(seq, "share_prefix");
+    KVPACK_CHECK(prefix_index_ != nullptr, kUnsupported,
+                 "share_prefix: prefix sharing is off (CacheConfig.prefix_sharing)");
+    KVPACK_CHECK(!sequence.prompt.empty(), kInvalidArgument,
+                 ::kvpack::detail::message("share_prefix: sequence ", seq,
+                                           " was added without tokens (add_sequence(tokens))"));
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    return insert_prefix(sequence);
+  }
+
+  /// The prefix index's counters and sizes (all zero without prefix sharing). Its cached pages
+  /// are also in memory().pages_in_use: they stay on the device after their sequences are
+  /// released, until a write finds the pool full or evict_prefix_cache drops them.
+  [[nodiscard]] paging::PrefixIndexStats prefix_stats() const {
+    return prefix_index_ ? prefix_index_->stats() : paging::PrefixIndexStats{};
+  }
+
+  /// Drops cached prefix pages no sequence is using, least recently used first, until
+  /// `pool_pages` pages went back to the device pool (all of them by default). Writes do this on
+  /// their own when the pool runs out.
+  paging::PrefixEviction evict_prefix_cache(std::size_t pool_pages = paging::PrefixIndex::kAllPages) {
+    return prefix_index_ ? prefix_index_->evict_unreferenced(pool_pages) : paging::PrefixEviction{};
+  }
+
   /// A host cache's sequence, copied here to continue on the device (prefill on the CPU, decode
-  /// on the GPU): every layer's pages byte for byte (mirror_layer), fp32 rows and positions. A
-  /// layer with pages keeps the host's codec parameters, and a calibrating codec's become this
-  /// cache's for that layer if it has none yet; a layer without pages takes this cache's. The
-  /// host cache keeps its sequence. All or nothing.
+  /// on the GPU): every layer's pages byte for byte (mirror_layer), fp32 rows and positions; with
+  /// prefix sharing, cached prefixes no sequence uses make room first (it comes without its
+  /// prompt, so its own pages are never cached here). A layer with pages keeps the host's codec
+  /// parameters, and a calibrating codec's become this cache's for that layer if it has none
+  /// yet; a layer without pages takes this cache's. The host cache keeps its sequence. All or
+  /// nothing (for the sequences; cached prefixes evicted to make room stay evicted).
   /// \throws kvpack::Error(kInvalidArgument) when its shape, page size, exact prefix or tail
   ///         window differ from this cache's, or a layer's pages were calibrated otherwise than
   ///         this cache calibrated that layer; what mirror_layer throws; kvpack::OutOfPages
@@ -123,6 +188,13 @@ class DeviceKVCache {
                  kInvalidArgument,
                  "adopt: the host cache's shape, page_size, exact_prefix_tokens or tail_tokens differ from this "
                  "cache's");
+    if (prefix_index_ != nullptr) {
+      std::size_t pages = 0;  // at most what mirror_layer uploads
+      for (index_t layer = 0; layer < shape_.layers; ++layer) {
+        for (index_t s = 0; s < shape_.kv_heads; ++s) pages += cache.pages(seq, layer, s).size();
+      }
+      reclaim(pages);
+    }
     Sequence sequence(shape_.layers);
     std::vector<index_t> calibrated_here;  // layers whose parameters this cache takes from the host's
     std::vector<std::int32_t> positions;
@@ -170,6 +242,9 @@ class DeviceKVCache {
     Sequence copy(shape_.layers);
     for (const Layer& layer : source.layers) copy.layers.push_back(layer.fork());
     copy.positions = source.positions;
+    copy.prompt = source.prompt;
+    copy.salt = source.salt;
+    copy.lease = source.lease.share();
     const SeqId id = next_id_;
     sequences_.emplace(id, std::move(copy));
     ++next_id_;
@@ -177,10 +252,19 @@ class DeviceKVCache {
   }
 
   /// Drops a sequence; its pages go back to the device pool and may be handed out at once, so
-  /// let the launches that read the sequence finish first.
+  /// let the launches that read the sequence finish first. With prefix sharing its prompt's whole
+  /// pages are cached first, once the whole device is done with what was queued (launches still
+  /// writing them included); best effort: release cannot fail, so a prompt the index has no
+  /// memory for, or a device that reports an error, leaves nothing cached.
   void release(SeqId seq) {
-    KVPACK_CHECK(sequences_.erase(seq) == 1, kUnknownSequence,
-                 ::kvpack::detail::message("release: no sequence ", seq));
+    Sequence& sequence = find(seq, "release");
+    if (prefix_index_ != nullptr && !sequence.prompt.empty() && cudaDeviceSynchronize() == cudaSuccess) {
+      try {
+        insert_prefix(sequence);
+      } catch (const std::exception&) {
+      }
+    }
+    sequences_.erase(seq);
   }
 
   /// Appends the prompt's keys and values for one layer ([T][kv_heads][head_dim] each, device
@@ -333,6 +417,9 @@ class DeviceKVCache {
     std::vector<Layer> layers;
     std::vector<PositionRuns> positions;  // per layer
     std::vector<DeviceBuffer<float>> scaled_queries;  // per layer: attend's query times the scale
+    std::vector<paging::TokenId> prompt;  // add_sequence(tokens)'s, for the prefix index
+    std::string salt;
+    paging::PrefixLease lease;  // pins the cached prefix it started on or cached
   };
 
   template <class Codec>
@@ -346,6 +433,84 @@ class DeviceKVCache {
   static std::size_t round_up_64(std::size_t bytes) noexcept { return (bytes + 63) / 64 * 64; }
   std::size_t param_index(index_t layer, index_t s) const noexcept {
     return static_cast<std::size_t>(layer) * shape_.kv_heads + s;
+  }
+
+  /// A new sequence whose every stream starts on `hit`'s pages (none when nothing matched), with
+  /// this cache's codec parameters: the state a prefill of those whole pages leaves.
+  Sequence sequence_on(const paging::PrefixMatch& hit) {
+    Sequence sequence(shape_.layers);
+    std::vector<PageId> ids(hit.pages);
+    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+      sequence.layers.emplace_back(*pool_, shape_.group_size(), config_.page_size, shape_.head_dim, value_offset_,
+                                   TailWindow{config_.exact_prefix_tokens, config_.tail_tokens});
+      for (index_t s = 0; s < shape_.kv_heads; ++s) {
+        for (std::size_t p = 0; p < hit.pages; ++p) ids[p] = hit.page(p)[param_index(layer, s)];
+        sequence.layers.back().add_cached_stream(ids, key_params_[param_index(layer, s)],
+                                                 value_params_[param_index(layer, s)]);
+      }
+      sequence.positions[layer].add(0, static_cast<std::int64_t>(hit.tokens));
+    }
+    return sequence;
+  }
+
+  /// The PrefixKey of this cache now: its codec parameters are read at every call, since FP8
+  /// calibrated from the data fixes a layer's scales with its first page.
+  [[nodiscard]] paging::PrefixKey prefix_key(const std::string& salt) const {
+    paging::PrefixKey key;
+    key.model_id = config_.prefix_sharing->model_id;
+    key.layout = std::string(layout::GQA::kName);
+    key.shape = shape_;
+    key.page_size = config_.page_size;
+    key.codec = Quantizer::name();
+    key.codec_params = paging::codec_params_fingerprint<KeyParams, ValueParams>(key_params_, value_params_);
+    key.salt = salt;  // cache_options stays 0: no option that changes page bytes is supported here
+    return key;
+  }
+
+  /// Caches the whole pages of a sequence's prompt that every layer holds at positions 0, 1, …
+  /// (the exact prefix is 0, so token i of the first pages · page_size is slot i of the pages).
+  /// Returns the tokens cached.
+  index_t insert_prefix(Sequence& sequence) {
+    const std::size_t page = static_cast<std::size_t>(config_.page_size);
+    std::size_t pages = sequence.prompt.size() / page;
+    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+      pages = std::min({pages, static_cast<std::size_t>(sequence.positions[layer].counted_from_zero()) / page,
+                        static_cast<std::size_t>(sequence.layers[layer].pages(0))});
+    }
+    if (pages == 0) return 0;
+    const std::size_t streams = static_cast<std::size_t>(shape_.layers) * shape_.kv_heads;
+    std::vector<PageId> ids(pages * streams);
+    for (index_t layer = 0; layer < shape_.layers; ++layer) {
+      for (index_t s = 0; s < shape_.kv_heads; ++s) {
+        for (std::size_t p = 0; p < pages; ++p) {
+          ids[p * streams + param_index(layer, s)] = sequence.layers[layer].page_id(s, static_cast<index_t>(p));
+        }
+      }
+    }
+    const std::size_t tokens = pages * page;
+    paging::PrefixLease lease = prefix_index_->insert(
+        prefix_key(sequence.salt), std::span<const paging::TokenId>(sequence.prompt).first(tokens), ids);
+    if (lease.pages() >= sequence.lease.pages()) sequence.lease = std::move(lease);
+    return static_cast<index_t>(tokens);
+  }
+
+  /// With prefix sharing, cached pages no sequence uses go back to the pool first when a write of
+  /// `tokens` tokens needs more pages than it has free (as KVCache does).
+  void make_room(const Layer& device, index_t tokens, const RowRule& rule) {
+    if (prefix_index_ == nullptr) return;
+    // Every page a write encodes takes page_size of the stored and new rows: a bound that spares
+    // a decode step the plan while the pool has room.
+    const auto streams = static_cast<std::size_t>(shape_.kv_heads);
+    const auto most = static_cast<std::size_t>((device.stored_rows(0).total() + tokens) / config_.page_size);
+    if (most * streams <= pool_->pages_available()) return;
+    reclaim(static_cast<std::size_t>(plan_row_append(device.stored_rows(0), tokens, rule).new_pages) * streams);
+  }
+
+  /// Cached pages no sequence uses go back to the pool, least recently used first, until it has
+  /// `pages` free or no such page is left.
+  void reclaim(std::size_t pages) {
+    const std::size_t available = pool_->pages_available();
+    if (pages > available) prefix_index_->evict_unreferenced(pages - available);
   }
 
   /// Whether a stream's parameters equal this cache's for (layer, s) on each calibrating plane.
@@ -452,8 +617,9 @@ class DeviceKVCache {
     Layer& device = sequence.layers[layer];
     PositionRuns& positions = sequence.positions[layer];
     positions.reserve();  // so that adding this write's positions below cannot throw
-    // Only a layer still to be calibrated plans ahead whether this write encodes its first page.
     const RowRule rule{config_.page_size, {config_.exact_prefix_tokens, config_.tail_tokens}};
+    make_room(device, static_cast<index_t>(tokens), rule);
+    // Only a layer still to be calibrated plans ahead whether this write encodes its first page.
     const auto first_page = [&] {
       return plan_row_append(device.stored_rows(0), static_cast<index_t>(tokens), rule).new_pages > 0;
     };
@@ -495,6 +661,9 @@ class DeviceKVCache {
   Quantizer quantizer_;
   std::size_t value_offset_ = 0;
   std::unique_ptr<DevicePagePool> pool_;  // before the sequences: their layers release into it
+  /// Null unless config_.prefix_sharing. After pool_ (it releases its pages into it when
+  /// destroyed) and before sequences_ (their leases must go first).
+  std::unique_ptr<paging::PrefixIndex> prefix_index_;
   std::unordered_map<SeqId, Sequence> sequences_;
   std::vector<KeyParams> key_params_;  // [layers][kv_heads]: what a new sequence's streams take
   std::vector<ValueParams> value_params_;

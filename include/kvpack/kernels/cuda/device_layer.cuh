@@ -75,55 +75,45 @@ class DeviceLayer {
     KVPACK_CHECK(row_keys.size() == row_values.size() && row_keys.size() % head_dim_ == 0, kInvalidArgument,
                  ::kvpack::detail::message("DeviceLayer::add_stream: ", row_keys.size(), " key and ", row_values.size(),
                                            " value floats are not whole rows of head_dim ", head_dim_));
-    const auto row_count = static_cast<index_t>(row_keys.size() / head_dim_);
-    const index_t prefix = std::min(rule_.window.exact_prefix_tokens, row_count);
-    const StoredRows rows{prefix, row_count - prefix};
-    const index_t capacity = std::max(row_capacity_, row_count);
-    // All or nothing: on failure (device pool full, copy error) the pages taken here go back.
-    const index_t streams_before = streams();
-    const std::size_t owned_before = owned_.size();
-    const std::size_t tables_before = param_tables_.table_count();
     std::vector<const std::byte*> new_hosts;
-    std::vector<PageId> ids;
     try {
-      ids.reserve(host_pages.size());
-      for (const std::byte* host : host_pages) {
-        auto it = uploaded_.find(host);
-        if (it == uploaded_.end()) {
-          const PageId id = pool_->allocate();
-          owned_.push_back(id);
-          new_hosts.push_back(host);
-          it = uploaded_.emplace(host, id).first;
-          pool_->upload(id, host);
-        }
-        ids.push_back(it->second);
-      }
-      const quant::PageGeometry g{page_size_, head_dim_};
-      key_params_.reserve(key_params_.size() + 1);
-      value_params_.reserve(value_params_.size() + 1);
-      key_params_.push_back(param_tables_.upload<KeyCodec>(key_params, g));
-      value_params_.push_back(param_tables_.upload<ValueCodec>(value_params, g));
-      RowBuffers grown = grow_rows(streams_before, streams_before + 1, capacity, nullptr);
-      grown.upload_at(static_cast<std::size_t>(streams_before) * capacity * head_dim_, row_keys, row_values);
-      // A copy from pageable memory may still be in flight when cudaMemcpy returns; a launch on
-      // a non-blocking stream would not wait for it.
-      check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
-      rows_.reserve(rows_.size() + 1);
-      stream_pages_.reserve(stream_pages_.size() + 1);
-      rows_device_ = std::move(grown);
-      row_capacity_ = capacity;
+      add_stream_with(
+          host_pages.size(),
+          [&](std::vector<PageId>& ids) {
+            for (const std::byte* host : host_pages) {
+              auto it = uploaded_.find(host);
+              if (it == uploaded_.end()) {
+                const PageId id = pool_->allocate();
+                owned_.push_back(id);  // reserved by add_stream_with
+                new_hosts.push_back(host);
+                it = uploaded_.emplace(host, id).first;
+                pool_->upload(id, host);
+              }
+              ids.push_back(it->second);
+            }
+          },
+          key_params, value_params, row_keys, row_values);
     } catch (...) {
-      for (std::size_t i = owned_before; i < owned_.size(); ++i) pool_->release(owned_[i]);
       for (const std::byte* host : new_hosts) uploaded_.erase(host);
-      owned_.resize(owned_before);
-      key_params_.resize(stream_pages_.size());
-      value_params_.resize(stream_pages_.size());
-      param_tables_.discard_from(tables_before);
       throw;
     }
-    stream_pages_.push_back(std::move(ids));
-    rows_.push_back(rows);
-    dirty_ = true;
+  }
+
+  /// Adds a stream whose pages are already in this layer's pool (a cached prompt prefix's,
+  /// PrefixIndex): one more holder of each, in token order, and no full-precision rows, as a
+  /// prefill of whole pages leaves a stream without a tail. Synchronous like add_stream.
+  void add_cached_stream(std::span<const PageId> pages, const HostKeyParams& key_params,
+                         const HostValueParams& value_params) {
+    add_stream_with(
+        pages.size(),
+        [&](std::vector<PageId>& ids) {
+          for (PageId id : pages) {
+            pool_->retain(id);
+            owned_.push_back(id);  // reserved by add_stream_with
+            ids.push_back(id);
+          }
+        },
+        key_params, value_params, {}, {});
   }
 
   /// Appends `count` tokens to every stream, from `keys` and `values` (device memory,
@@ -255,10 +245,13 @@ class DeviceLayer {
   }
 
   /// Device address of page `i` of stream `s` (its payload: K plane, then V at value_offset).
-  [[nodiscard]] const std::byte* page(index_t s, index_t i) const {
+  [[nodiscard]] const std::byte* page(index_t s, index_t i) const { return pool_->payload(page_id(s, i)); }
+
+  /// The pool's id of page `i` of stream `s` (for a PrefixIndex that caches it).
+  [[nodiscard]] PageId page_id(index_t s, index_t i) const {
     KVPACK_CHECK(s >= 0 && s < streams() && i >= 0 && i < static_cast<index_t>(stream_pages_[s].size()),
-                 kInvalidArgument, ::kvpack::detail::message("DeviceLayer::page: no page ", i, " in stream ", s));
-    return pool_->payload(stream_pages_[s][i]);
+                 kInvalidArgument, ::kvpack::detail::message("DeviceLayer: no page ", i, " in stream ", s));
+    return stream_pages_[s][i];
   }
 
   [[nodiscard]] index_t streams() const noexcept { return static_cast<index_t>(key_params_.size()); }
@@ -356,6 +349,52 @@ class DeviceLayer {
                  ::kvpack::detail::message("DeviceLayer::", call, ": stream ", s, " out of range [0, ", streams(),
                                            ")"));
     return s;
+  }
+
+  /// add_stream's and add_cached_stream's common part: `take_pages(ids)` puts the stream's
+  /// `page_count` pages into ids, and each page it takes a holder of into owned_ (room for them is
+  /// reserved). All or nothing: on failure those pages are let go and the layer is as before.
+  template <class TakePages>
+  void add_stream_with(std::size_t page_count, TakePages take_pages, const HostKeyParams& key_params,
+                       const HostValueParams& value_params, std::span<const float> row_keys,
+                       std::span<const float> row_values) {
+    const auto row_count = static_cast<index_t>(row_keys.size() / head_dim_);
+    const index_t prefix = std::min(rule_.window.exact_prefix_tokens, row_count);
+    const StoredRows rows{prefix, row_count - prefix};
+    const index_t capacity = std::max(row_capacity_, row_count);
+    const index_t streams_before = streams();
+    const std::size_t owned_before = owned_.size();
+    const std::size_t tables_before = param_tables_.table_count();
+    std::vector<PageId> ids;
+    try {
+      owned_.reserve(owned_.size() + page_count);
+      ids.reserve(page_count);
+      take_pages(ids);
+      const quant::PageGeometry g{page_size_, head_dim_};
+      key_params_.reserve(key_params_.size() + 1);
+      value_params_.reserve(value_params_.size() + 1);
+      key_params_.push_back(param_tables_.upload<KeyCodec>(key_params, g));
+      value_params_.push_back(param_tables_.upload<ValueCodec>(value_params, g));
+      RowBuffers grown = grow_rows(streams_before, streams_before + 1, capacity, nullptr);
+      grown.upload_at(static_cast<std::size_t>(streams_before) * capacity * head_dim_, row_keys, row_values);
+      // A copy from pageable memory may still be in flight when cudaMemcpy returns; a launch on
+      // a non-blocking stream would not wait for it.
+      check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
+      rows_.reserve(rows_.size() + 1);
+      stream_pages_.reserve(stream_pages_.size() + 1);
+      rows_device_ = std::move(grown);
+      row_capacity_ = capacity;
+    } catch (...) {
+      for (std::size_t i = owned_before; i < owned_.size(); ++i) pool_->release(owned_[i]);
+      owned_.resize(owned_before);
+      key_params_.resize(stream_pages_.size());
+      value_params_.resize(stream_pages_.size());
+      param_tables_.discard_from(tables_before);
+      throw;
+    }
+    stream_pages_.push_back(std::move(ids));
+    rows_.push_back(rows);
+    dirty_ = true;
   }
 
   PagedAttentionArgs<KeyParams, ValueParams> launch_args(const float* device_queries, float* device_out) const {

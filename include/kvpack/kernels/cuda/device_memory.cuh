@@ -113,16 +113,18 @@ class DevicePagePool {
   [[nodiscard]] const paging::PageFormat& format() const noexcept { return format_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return ledger_.capacity(); }
   [[nodiscard]] std::size_t pages_in_use() const { return ledger_.pages_in_use(); }
+  [[nodiscard]] std::size_t pages_available() const { return capacity() - pages_in_use(); }
 
   /// A free page with one holder; throws kvpack::OutOfPages when none is left.
   [[nodiscard]] PageId allocate() { return ledger_.allocate(); }
-  /// One more holder of page `id` (a fork sharing it).
-  void retain(PageId id) { ledger_.retain(id); }
+  /// One more holder of page `id` (a fork sharing it, a cached prefix). Sharing a page nobody
+  /// holds, a bug, ends the program with the ledger's message, as release does.
+  void retain(PageId id) noexcept { ledger_.retain(id); }
   /// One holder fewer; the page is free again after its last. Called from destructors and
   /// clean-ups: releasing a page nobody holds, a bug, ends the program with the ledger's message.
   void release(PageId id) noexcept { ledger_.release(id); }
-  /// Holders of page `id`: 0 while it is free.
-  [[nodiscard]] std::uint32_t holders(PageId id) const { return ledger_.holders(id); }
+  /// Holders of page `id` (PagePool's name for it, which PrefixIndex reads): 0 while it is free.
+  [[nodiscard]] std::uint32_t ref_count(PageId id) const noexcept { return ledger_.holders(id); }
 
   /// Device address of a page's payload (64-byte aligned: cudaMalloc aligns the arena to 256).
   [[nodiscard]] std::byte* payload(PageId id) const noexcept {
