@@ -1059,6 +1059,17 @@ TEST_CASE("a write that finds the device pool full gives back cached prefixes fi
   const PrefixHit c = device.add_sequence(second);  // the second prompt is cached now
   CHECK(c.cached_tokens == 3 * 16);
   CHECK(device.pool().pages_in_use() == 12);  // shared, not copied
+  device.release(c.seq);
+  // A host sequence of 12 pages adopted into the full pool: the cached prefix makes room again.
+  KVCache<layout::GQA, quant::Q4_0> host(shape, window_config(16, 0, 0));
+  const SeqId on_host = host.add_sequence();
+  for (index_t layer = 0; layer < 2; ++layer) {
+    host.prefill(on_host, layer, std::span<const float>(rows.keys[layer]), std::span<const float>(rows.values[layer]));
+  }
+  const SeqId adopted = device.adopt(host, on_host);
+  CHECK(device.prefix_stats().cached_pool_pages == 0);
+  CHECK(device.pool().pages_in_use() == 12);
+  for (index_t layer = 0; layer < 2; ++layer) check_twins(host, on_host, device, adopted, layer, 2300 + layer);
 }
 
 TEST_CASE("a cache created on the device rejects what it cannot do, and says why", "[cuda][device_cache]") {
