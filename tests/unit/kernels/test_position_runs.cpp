@@ -35,22 +35,25 @@ TEST_CASE("position runs merge consecutive positions and keep gaps", "[cuda_plan
 
 TEST_CASE("position runs expand to every position added, against a model", "[cuda_plan]") {
   std::mt19937 rng(4400);
-  PositionRuns runs;
-  std::vector<std::int32_t> model;
-  std::int64_t next = static_cast<std::int64_t>(rng() % 7);
-  for (int step = 0; step < 2000; ++step) {
-    const std::int64_t count = rng() % 4 == 0 ? static_cast<std::int64_t>(rng() % 40) : 1;
-    runs.reserve();
-    runs.add(next, count);
-    for (std::int64_t i = 0; i < count; ++i) model.push_back(static_cast<std::int32_t>(next + i));
-    if (count > 0) next += count;
-    next += rng() % 5 == 0 ? static_cast<std::int64_t>(1 + rng() % 9) : 0;  // sometimes a gap
-    REQUIRE(runs.last() == (model.empty() ? -1 : model.back()));
+  for (const std::int64_t first : {std::int64_t{0}, static_cast<std::int64_t>(1 + rng() % 7)}) {
+    PositionRuns runs;
+    std::vector<std::int32_t> model;
+    std::int64_t next = first;
+    for (int step = 0; step < 2000; ++step) {
+      const std::int64_t count = rng() % 4 == 0 ? static_cast<std::int64_t>(rng() % 40) : 1;
+      runs.reserve();
+      runs.add(next, count);
+      for (std::int64_t i = 0; i < count; ++i) model.push_back(static_cast<std::int32_t>(next + i));
+      if (count > 0) next += count;
+      next += rng() % 5 == 0 ? static_cast<std::int64_t>(1 + rng() % 9) : 0;  // sometimes a gap
+      REQUIRE(runs.last() == (model.empty() ? -1 : model.back()));
+    }
+    CHECK(runs.size() == static_cast<std::int64_t>(model.size()));
+    CHECK(runs.expand() == model);
+    CHECK(runs.runs() < model.size() / 4);  // runs, not one entry per position
+    std::int64_t from_zero = 0;
+    while (from_zero < static_cast<std::int64_t>(model.size()) && model[from_zero] == from_zero) ++from_zero;
+    CHECK(runs.counted_from_zero() == from_zero);
+    if (first == 0) CHECK(from_zero > 0);
   }
-  CHECK(runs.size() == static_cast<std::int64_t>(model.size()));
-  CHECK(runs.expand() == model);
-  CHECK(runs.runs() < model.size() / 4);  // runs, not one entry per position
-  std::int64_t from_zero = 0;
-  while (from_zero < static_cast<std::int64_t>(model.size()) && model[from_zero] == from_zero) ++from_zero;
-  CHECK(runs.counted_from_zero() == from_zero);
 }
