@@ -76,8 +76,9 @@ using KVQuant4 = quant::KVQuant<4>;
 }  // namespace kvpack::inline v0::cuda_api
 
 /// Applies X(alias) to every quantizer of cuda_api::precompiled whose pages kvpack::cuda attends
-/// to, and KVPACK_FOR_EACH_CUDA_ENCODED to those it also encodes (KVQuant's pages are encoded on
-/// the host).
+/// to, and KVPACK_FOR_EACH_CUDA_ENCODED to those it also encodes (not KVQuant: its parameters
+/// point into host tables, which these launches do not carry; a kernels::cuda::DeviceLayer
+/// encodes it on the device).
 #define KVPACK_FOR_EACH_CUDA_ENCODED(X) X(F32) X(F16) X(BF16) X(E4M3) X(E5M2) X(Int8) X(Q8_0) X(Q4_0) X(Kivi2) X(Kivi4)
 #define KVPACK_FOR_EACH_CUDA_ATTENDED(X) KVPACK_FOR_EACH_CUDA_ENCODED(X) X(KVQuant2) X(KVQuant3) X(KVQuant4)
 

@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "kvpack/config.hpp"
 #include "kvpack/error.hpp"
 
 namespace kvpack::inline v0::quant::nuq {
@@ -64,12 +65,14 @@ inline Codebook normal_float_codebook(int bits) {
 
 /// The index of a codebook's level nearest to x (ties to the lower level; NaN gives 0), with the
 /// midpoints between levels computed once for the many elements a page codes with one codebook.
+/// Plain data, so the device's KVQuant encoder takes it by value and rounds exactly as the host.
 class NearestLevel {
  public:
+  NearestLevel() = default;  ///< every element to code 0
   explicit NearestLevel(const Codebook& book) noexcept : size_(book.size) {
     for (int i = 1; i < book.size; ++i) midpoint_[i - 1] = 0.5f * (book.levels[i - 1] + book.levels[i]);
   }
-  [[nodiscard]] int operator()(float x) const noexcept {
+  [[nodiscard]] KVPACK_HOST_DEVICE int operator()(float x) const noexcept {
     int code = 0;
     for (int i = 1; i < size_; ++i) {
       if (x > midpoint_[i - 1]) code = i;
@@ -78,8 +81,8 @@ class NearestLevel {
   }
 
  private:
-  std::array<float, 15> midpoint_{};
-  int size_;
+  float midpoint_[15] = {};
+  int size_ = 0;
 };
 
 /// NearestLevel for one element.

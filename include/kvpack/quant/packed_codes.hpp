@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvpack/config.hpp"
 #include "kvpack/core/types.hpp"
 
 namespace kvpack::inline v0::quant {
@@ -15,7 +16,7 @@ namespace kvpack::inline v0::quant {
 /// of 8 channels). Eight codes fill Bits whole bytes, so each byte is stored once rather than
 /// or-ed in code by code, a read-modify-write the next code waits on.
 template <int Bits, class CodeOf>
-void put_codes(std::byte* row, index_t first, index_t count, CodeOf code_of) noexcept {
+KVPACK_HOST_DEVICE void put_codes(std::byte* row, index_t first, index_t count, CodeOf code_of) noexcept {
   static_assert(Bits >= 1 && Bits <= 4, "eight codes must fit a 32-bit word");
   for (index_t j = first; j < first + count; j += 8) {
     std::uint32_t word = 0;

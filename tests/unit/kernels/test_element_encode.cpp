@@ -1,16 +1,23 @@
 // The CUDA append path's unit encoders (kernels/cuda/element_encode.hpp), compiled for the host:
 // encoding every unit of a plane must give exactly the bytes of the codec's scalar `encode`, and
 // must write every byte of the plane (the target starts as garbage). Random rows with outlier
-// channels, zero rows, ties for ggml's rounding and the largest storable magnitudes.
+// channels, zero rows, ties for ggml's rounding and the largest storable magnitudes. KVQuant's
+// staged encoders run stage by stage, the units of each stage in a shuffled order.
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "kvpack/kernels/cuda/element_encode.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/random_kv.hpp"
+#include "support/stream_fixture.hpp"
 
 namespace {
 
@@ -54,7 +61,111 @@ void check_quantizer(std::vector<quant::PageGeometry> geometries) {
   }
 }
 
+/// Runs a staged encoder over one plane as the device would, except that the units of each stage
+/// go in a shuffled order (no unit may read what another of its stage writes), the plane and the
+/// scratch memory starting as garbage; returns how many bytes differ from the scalar encoder's.
+template <class Codec>
+std::size_t staged_mismatches(const Codec& codec, const typename Codec::params_type& params, quant::PageGeometry g,
+                              const std::vector<float>& rows, std::uint32_t seed) {
+  using Encoder = kernels::cuda::ElementEncoder<Codec>;
+  static_assert(kernels::cuda::StagedEncoder<Encoder>);
+  kernels::cuda::device_params_t<Codec> device;
+  if constexpr (Codec::kPlane == Plane::kKey) {
+    device = kernels::cuda::to_device_params(params, g, params.offset, params.half_range);
+  } else {
+    device = kernels::cuda::to_device_params(params, g);
+  }
+  const std::size_t bytes = codec.plane_bytes(g);
+  REQUIRE(Encoder::plane_bytes(g, device) == bytes);
+  std::vector<std::byte> expected(bytes, std::byte{0}), got(bytes, std::byte{0xAB});
+  std::vector<std::uint32_t> scratch((Encoder::scratch_bytes(g) + 3) / 4, 0xDEADBEEFu);
+  codec.encode(g, rows.data(), g.head_dim, params, expected.data());
+  std::mt19937 rng(seed);
+  for (int stage = 0; stage < Encoder::kStages; ++stage) {
+    std::vector<index_t> order(static_cast<std::size_t>(Encoder::units(stage, g, device)));
+    std::iota(order.begin(), order.end(), index_t{0});
+    std::shuffle(order.begin(), order.end(), rng);
+    for (index_t u : order) {
+      Encoder::encode_unit(stage, rows.data(), g.head_dim, device, got.data(), g, u, scratch.data());
+    }
+  }
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < bytes; ++i) mismatches += expected[i] != got[i];
+  return mismatches;
+}
+
+/// The outliers a KVQuant plane keeps (its section's count), to show which cases the data reach.
+std::size_t outlier_count(const std::byte* section) {
+  std::uint16_t count;
+  std::memcpy(&count, section, sizeof(count));
+  return count;
+}
+
+/// Both of KVQuant<Bits>'s planes on pages that keep fewer candidates than the section holds,
+/// more than it holds (keys far outside the calibration: every element a candidate), ties in
+/// how far outside (equal elements, ±0), the extremes of rows_for, and unchecked input (NaN,
+/// ±Inf, which the scalar encoder orders on purpose).
+template <int Bits>
+void check_kvquant(quant::PageGeometry g, double fraction, bool q_norm, std::uint32_t seed) {
+  using Q = quant::KVQuant<Bits>;
+  std::shared_ptr<const quant::KVQuantTables> tables = test::make_quantizer<Q>(g.head_dim).key.tables;
+  if (q_norm) {
+    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
+    options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
+    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, g.head_dim}, options);
+    calibrator.add(0, test::random_rows(256, g.head_dim, seed, 4, 10.0f), test::random_rows(256, g.head_dim, seed + 1));
+    tables = calibrator.finish();
+    REQUIRE(!tables->key_encode_codebook.empty());
+  }
+  const Q q(tables, fraction);
+  const auto key_params = q.key.initial_params(0, 0);
+  const auto value_params = q.value.initial_params(0, 0);
+  const std::size_t elements = static_cast<std::size_t>(g.page_size) * g.head_dim;
+  std::vector<std::vector<float>> cases{test::random_rows(g.page_size, g.head_dim, seed + 2, 4, 10.0f),
+                                        rows_for(g.page_size, g.head_dim, q.key.max_abs_input(), seed + 3),
+                                        test::random_rows(g.page_size, g.head_dim, seed + 4, g.head_dim, 300.0f),
+                                        std::vector<float>(elements, 7.0f)};
+  for (std::size_t i = 0; i < elements; i += 5) cases.back()[i] = -7.0f;  // equal excesses, equal values
+  cases.push_back(cases.front());
+  for (std::size_t i = 0; i < elements; i += 7) {
+    const float odd[] = {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY, -0.0f, 0.0f};
+    cases.back()[i] = odd[(i / 7) % 5];
+  }
+  // Zero rows with one −0 each: every value candidate is −0 or +0 outside its token's range
+  // (a −0 lowest, a +0 highest), and those compare equal.
+  cases.emplace_back(elements, 0.0f);
+  for (index_t t = 0; t < g.page_size; ++t) cases.back()[static_cast<std::size_t>(t) * g.head_dim + 1] = -0.0f;
+  std::size_t most_key_outliers = 0;
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    INFO(Q::name() << " page_size " << g.page_size << " head_dim " << g.head_dim << " fraction " << fraction
+                   << (q_norm ? " Q-Norm" : "") << " case " << k);
+    CHECK(staged_mismatches(q.key, key_params, g, cases[k], seed + 10 * k) == 0);
+    CHECK(staged_mismatches(q.value, value_params, g, cases[k], seed + 10 * k + 5) == 0);
+    std::vector<std::byte> plane(q.key.plane_bytes(g));
+    q.key.encode(g, cases[k].data(), g.head_dim, key_params, plane.data());
+    most_key_outliers = std::max(most_key_outliers, outlier_count(plane.data() + q.key.outliers_offset(g)));
+  }
+  // The keys far outside fill the section: the capped selection ran.
+  if (fraction > 0.0) CHECK(most_key_outliers == quant::kvquant_detail::outlier_capacity(fraction, g));
+}
+
 }  // namespace
+
+TEST_CASE("CUDA staged encoders write exactly KVQuant's scalar bytes", "[cuda][encode][kvquant]") {
+  for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 64},
+                                      quant::PageGeometry{64, 96}}) {
+    for (const double fraction : {0.0, 0.01, 0.05}) {
+      check_kvquant<4>(g, fraction, false, 31);
+      check_kvquant<3>(g, fraction, false, 41);
+      check_kvquant<2>(g, fraction, false, 51);
+    }
+  }
+  check_kvquant<2>({32, 128}, 0.01, true, 61);
+  check_kvquant<4>({64, 64}, 0.02, true, 71);
+  check_kvquant<3>({256, 256}, 0.01, false, 81);
+  // 2 candidates per token and room for 2 per token: every value candidate kept, none capped.
+  check_kvquant<4>({16, 64}, 0.03125, false, 91);
+}
 
 TEST_CASE("CUDA unit encoders write exactly the scalar encoders' bytes", "[cuda][encode]") {
   const std::vector<quant::PageGeometry> shapes{{32, 128}, {16, 64}, {64, 96}, {256, 32}};
@@ -76,5 +187,7 @@ TEST_CASE("CUDA unit encoders write exactly the scalar encoders' bytes", "[cuda]
   check_codec(quant::KiviTokenCodec<2, 32, Plane::kKey>{}, {}, {32, 128});
 }
 
-static_assert(!kernels::cuda::DeviceEncodable<quant::KVQuantValueCodec<4>>,
-              "KVQuant is not on the device yet: the append path must reject it at compile time");
+static_assert(kernels::cuda::DeviceEncodable<quant::KVQuantKeyCodec<3>> &&
+              kernels::cuda::DeviceEncodable<quant::KVQuantValueCodec<3>>);
+static_assert(!kernels::cuda::DeviceEncodable<quant::TurboQuant<8>::value_codec>,
+              "TurboQuant is not encoded on the device yet: the append path must reject it at compile time");

@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -38,11 +39,17 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
   }
 }
 
+/// A codec whose parameters the device reads as the host holds them (not KVQuant's).
+template <class Codec>
+concept ParamsCrossUnchanged = std::is_same_v<device_params_t<Codec>, typename Codec::params_type>;
+
 }  // namespace device_cache_detail
 
 /// Grouped-query attention only (layout::GQA: one stream per KV head). Not yet: evictors,
-/// selectors, keys stored before RoPE and codecs the device cannot encode (KVQuant, TurboQuant):
-/// each is rejected at compile time or by the constructor. A codec that calibrates from the data
+/// selectors, keys stored before RoPE, codecs the device cannot encode (TurboQuant) and codecs
+/// whose parameters have a device form of their own (KVQuant: its layers encode on the device,
+/// but this cache keeps one set of parameters for both sides): each is rejected at compile time
+/// or by the constructor. A codec that calibrates from the data
 /// (FP8's default) takes a layer's parameters as KVCache does, from the rows of the first write
 /// that encodes a page of that layer. Prefix sharing (CacheConfig::prefix_sharing) works as
 /// KVCache's, over this cache's own PrefixIndex of device pages: add_sequence(tokens) starts on
@@ -52,7 +59,9 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
 /// synchronous, fork, read_back and share_prefix wait for the whole device. Not thread-safe: one
 /// host thread at a time.
 template <class Quantizer>
-  requires DeviceEncodable<typename Quantizer::key_codec> && DeviceEncodable<typename Quantizer::value_codec>
+  requires DeviceEncodable<typename Quantizer::key_codec> && DeviceEncodable<typename Quantizer::value_codec> &&
+           device_cache_detail::ParamsCrossUnchanged<typename Quantizer::key_codec> &&
+           device_cache_detail::ParamsCrossUnchanged<typename Quantizer::value_codec>
 class DeviceKVCache {
  public:
   using KeyCodec = typename Quantizer::key_codec;

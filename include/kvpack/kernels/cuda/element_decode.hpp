@@ -264,17 +264,21 @@ struct ElementDecoder<quant::KiviTokenCodec<Bits, Group, P>> {
 };
 
 /// KVQuant's parameters as the device reads them. The host's point into KVQuantTables on the
-/// host; these hold the codebook's levels themselves, the outlier section's capacity, and (keys)
-/// device addresses of the stream's per-channel offsets and half-ranges.
+/// host; these hold the codebook's levels themselves, the outlier section's capacity, what the
+/// encoder rounds to (the rounding codebook's midpoints), and (keys) device addresses of the
+/// stream's per-channel offsets and half-ranges.
 struct KVQuantDeviceKeyParams {
   const float* offset = nullptr;      ///< [head_dim], device memory
   const float* half_range = nullptr;  ///< [head_dim], device memory
   float levels[16] = {};
   std::uint32_t outlier_capacity = 0;
+  quant::nuq::NearestLevel rounding;
 };
 struct KVQuantDeviceValueParams {
   float levels[16] = {};
   std::uint32_t outlier_capacity = 0;
+  quant::nuq::NearestLevel rounding;
+  index_t candidates_per_side = 0;  ///< each token's largest and smallest elements that may be exact
 };
 
 /// The parameters the device kernels take for a codec: its own, unless they point into host memory.
@@ -302,12 +306,15 @@ inline KVQuantDeviceKeyParams to_device_params(const quant::KVQuantKeyParams& ho
   out.half_range = half_range;
   std::copy(host.codebook->levels.begin(), host.codebook->levels.end(), out.levels);
   out.outlier_capacity = static_cast<std::uint32_t>(quant::kvquant_detail::outlier_capacity(host.outlier_fraction, g));
+  out.rounding = quant::nuq::NearestLevel(host.rounding());
   return out;
 }
 inline KVQuantDeviceValueParams to_device_params(const quant::KVQuantValueParams& host, quant::PageGeometry g) noexcept {
   KVQuantDeviceValueParams out;
   std::copy(host.codebook->levels.begin(), host.codebook->levels.end(), out.levels);
   out.outlier_capacity = static_cast<std::uint32_t>(quant::kvquant_detail::outlier_capacity(host.outlier_fraction, g));
+  out.rounding = quant::nuq::NearestLevel(host.rounding());
+  out.candidates_per_side = quant::kvquant_detail::candidates_per_side(host.outlier_fraction, g.head_dim);
   return out;
 }
 

@@ -9,7 +9,8 @@
 /// `ElementEncoder<Codec>::encode_unit` writes unit u of a plane from fp32 rows with exactly the
 /// arithmetic of the codec's scalar `encode` (no fused multiply-adds where the host has none), so
 /// the bytes are identical: the host test suite checks that, unit by unit, on every CI run, and the
-/// CUDA tests check the device's bytes against the host's.
+/// CUDA tests check the device's bytes against the host's. KVQuant, whose outliers are chosen
+/// over a whole page, is encoded in stages of such units (`StagedEncoder`, kvquant_encode.hpp).
 
 #include <cmath>
 #include <cstddef>
@@ -20,6 +21,7 @@
 #include "kvpack/core/fp8.hpp"
 #include "kvpack/core/half.hpp"
 #include "kvpack/kernels/cuda/element_decode.hpp"
+#include "kvpack/kernels/cuda/kvquant_encode.hpp"
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/ggml_blocks.hpp"
@@ -94,6 +96,11 @@ struct ElementEncoder;
 /// Codecs the device can encode.
 template <class Codec>
 concept DeviceEncodable = requires { ElementEncoder<Codec>::kSupported; };
+
+/// An encoder whose units run in `kStages` stages with a barrier between them, sharing
+/// `scratch_bytes(g)` of block memory; its units take device parameters (device_params_t).
+template <class Encoder>
+concept StagedEncoder = requires { Encoder::kStages; };
 
 template <class T, Plane P>
 struct ElementEncoder<quant::FloatCodec<T, P>> {
@@ -259,6 +266,16 @@ struct ElementEncoder<quant::KiviTokenCodec<Bits, Group, P>> {
       row[static_cast<std::size_t>(c) * Bits / 8] = static_cast<std::byte>(byte);
     }
   }
+};
+
+template <int Bits>
+struct ElementEncoder<quant::KVQuantKeyCodec<Bits>> : KVQuantKeyPageEncoder<Bits> {
+  static constexpr bool kSupported = true;
+};
+
+template <int Bits>
+struct ElementEncoder<quant::KVQuantValueCodec<Bits>> : KVQuantValuePageEncoder<Bits> {
+  static constexpr bool kSupported = true;
 };
 
 }  // namespace kvpack::inline v0::kernels::cuda
