@@ -196,19 +196,22 @@ void BM_CudaDecodeAttention(benchmark::State& state) {
 }
 
 /// The append path: full pages encoded on the device from fp32 rows already there (4 sequences
-/// × 32K tokens × 8 KV heads = 1 M rows per plane). Reports the fp32 rows read per second.
+/// × 32K tokens × 8 KV heads = 1 M rows per plane; both planes encode the same rows, drawn like
+/// the keys of the pages above, which KVQuant's calibration saw). Reports the fp32 rows read per
+/// second.
 template <class Quantizer>
 void BM_CudaEncodePages(benchmark::State& state) {
-  const Quantizer q{};
+  const Quantizer& q = bench_quantizer<Quantizer>();
   const quant::PageGeometry g{kPageSize, kHeadDim};
   const std::size_t value_offset = (q.key.plane_bytes(g) + 63) / 64 * 64;
   const std::size_t payload = (value_offset + q.value.plane_bytes(g) + 63) / 64 * 64;
   const index_t pages = 4 * 32768 / kPageSize * kKvHeads;
-  std::vector<float> rows(static_cast<std::size_t>(pages) * kPageSize * kHeadDim);
   std::mt19937 rng(11);
-  std::normal_distribution<float> normal;
-  for (float& x : rows) x = normal(rng);
+  const std::vector<float> rows = random_rows(rng, static_cast<std::size_t>(pages) * kPageSize, true);
   const gpu::DeviceBuffer<float> device_rows{std::span<const float>(rows)};
+  gpu::DeviceParamTables tables;  // KVQuant's calibrated key ranges, on the device
+  const auto key_params = tables.upload<typename Quantizer::key_codec>(q.key.initial_params(0, 0), g);
+  const auto value_params = tables.upload<typename Quantizer::value_codec>(q.value.initial_params(0, 0), g);
   gpu::DevicePagePool pool({payload, 0}, static_cast<std::size_t>(pages));
   std::vector<std::byte*> targets(pages);
   for (index_t i = 0; i < pages; ++i) targets[i] = pool.payload(static_cast<PageId>(i));
@@ -219,8 +222,8 @@ void BM_CudaEncodePages(benchmark::State& state) {
   for (auto _ : state) {
     cudaEventRecord(start);
     gpu::encode_pages<typename Quantizer::key_codec, typename Quantizer::value_codec>(
-        device_rows.data(), device_rows.data(), kHeadDim, pages, q.key.initial_params(0, 0),
-        q.value.initial_params(0, 0), device_targets.data(), g, value_offset);
+        device_rows.data(), device_rows.data(), kHeadDim, pages, key_params, value_params, device_targets.data(), g,
+        value_offset);
     cudaEventRecord(stop);
     gpu::check(cudaEventSynchronize(stop), "encode");
     float ms = 0.0f;
@@ -309,6 +312,8 @@ BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::FP8<quant::E4M3FN>)->Apply(encode_
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Int8)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Q4_0)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KIVI<2, 32>)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KVQuant<4>)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KVQuant<2>)->Apply(encode_shape);
 
 void step_shape(benchmark::internal::Benchmark* b) {
   b->ArgName("append")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);

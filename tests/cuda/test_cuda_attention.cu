@@ -3,11 +3,11 @@
 // launch (pages not filling a split, tail rows only, hundreds of pages), outlier channels, zero
 // rows, values far outside the rest, GQA groups of 1 to 12 (two head passes), NaN pages; which of
 // the two kernels (tensor cores for fp16 and q4_0, generic otherwise) a launch takes; and pages
-// encoded on the device, byte for byte against the host encoders; tokens appended to a mirrored
-// layer on the device next to the host cache taking the same ones; a cache created on the device
-// (DeviceKVCache) beside a host twin: pages, read_back and attention after prefills, appends,
-// adopt, forks and FP8 scales calibrated from the data, and a decode on a non-blocking stream
-// that nothing synchronises. TurboQuant-MSE is read in its rotated space, with the rotations' own
+// encoded on the device, byte for byte against the host encoders (KVQuant's with its outliers
+// capped); tokens appended to a mirrored layer on the device next to the host cache taking the
+// same ones; a cache created on the device (DeviceKVCache) beside a host twin: pages, read_back
+// and attention after prefills, appends, adopt, forks and FP8 scales calibrated from the data,
+// and a decode on a non-blocking stream that nothing synchronises. TurboQuant-MSE is read in its rotated space, with the rotations' own
 // rounding added to the bound. Without a GPU the binary exits with CTest's skip code (77) and
 // says why.
 
@@ -476,6 +476,24 @@ TEST_CASE("mirror_layer runs a host cache's layer on the device", "[cuda]") {
 
 namespace {
 
+/// A quantizer for a cache of `shape`: KVQuant calibrated for every layer and KV head on rows
+/// like the tests' (outlier key channels, other seeds), every other one as default-constructed.
+template <class Quantizer>
+Quantizer quantizer_for(const ModelShape& shape) {
+  if constexpr (test::IsKVQuant<Quantizer>::value) {
+    quant::KVQuantCalibrator calibrator(shape, {Quantizer::key_codec::kBits, 0.01, true, 50, 1});
+    const auto rows = static_cast<std::size_t>(256) * shape.kv_heads;
+    for (index_t layer = 0; layer < shape.layers; ++layer) {
+      const auto seed = static_cast<std::uint32_t>(901 + 2 * layer);
+      calibrator.add(layer, test::random_rows(rows, shape.head_dim, seed, 4, 10.0f),
+                     test::random_rows(rows, shape.head_dim, seed + 1));
+    }
+    return Quantizer(calibrator.finish(), 0.01);
+  } else {
+    return Quantizer{};
+  }
+}
+
 /// A mirrored layer that then takes its tokens on the device (append_tokens) next to the host
 /// cache taking the same ones: after every append the device's pages hold the host's bytes and
 /// its row counts the host's, and attention over it matches exact attention over read_back.
@@ -484,7 +502,7 @@ void check_device_appends(index_t page_size, index_t exact_prefix, index_t tail_
                           std::uint32_t seed) {
   const ModelShape shape{1, 6, 3, head_dim};
   CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
-  KVCache<layout::GQA, Quantizer> cache(shape, config);
+  KVCache<layout::GQA, Quantizer> cache(shape, config, quantizer_for<Quantizer>(shape));
   const SeqId seq = cache.add_sequence();
   auto host_append = [&](index_t count, std::int64_t at, const std::vector<float>& keys,
                          const std::vector<float>& values) {
@@ -528,6 +546,74 @@ TEST_CASE("tokens appended on the device follow the host cache's pages and rows"
   check_device_appends<quant::Int8>(32, 0, 64, 96, 1530);
   check_device_appends<quant::KIVI<4, 32>>(32, 0, 32, 128, 1540);
   check_device_appends<quant::KIVI<2, 32>>(64, 2, 0, 64, 1550);
+  check_device_appends<quant::KVQuant<4>>(32, 1, 32, 128, 1560);  // KVQuant's staged encoders
+  check_device_appends<quant::KVQuant<3>>(16, 0, 0, 64, 1570);
+  check_device_appends<quant::KVQuant<2>>(64, 1, 0, 96, 1580);
+}
+
+namespace {
+
+/// KVQuant pages encoded on the device (append_pages) against the host's scalar encoder, byte for
+/// byte: rows like the calibration's, keys far outside it (every element a candidate, more than
+/// the section holds), and equal elements (ties in how far outside).
+template <int Bits>
+void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t seed, bool q_norm = false) {
+  using Q = quant::KVQuant<Bits>;
+  std::shared_ptr<const quant::KVQuantTables> tables = test::make_quantizer<Q>(g.head_dim).key.tables;
+  if (q_norm) {  // rounded to other levels than decoded
+    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
+    options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
+    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, g.head_dim}, options);
+    calibrator.add(0, test::random_rows(256, g.head_dim, seed, 4, 10.0f), test::random_rows(256, g.head_dim, seed + 1));
+    tables = calibrator.finish();
+  }
+  const Q q(tables, fraction);
+  const auto key_params = q.key.initial_params(0, 0);
+  const auto value_params = q.value.initial_params(0, 0);
+  const std::size_t value_offset = (q.key.plane_bytes(g) + 63) / 64 * 64;
+  const std::size_t payload = (value_offset + q.value.plane_bytes(g) + 63) / 64 * 64;
+  const auto page_rows = static_cast<std::size_t>(g.page_size);
+  std::vector<float> keys = test::random_rows(page_rows, g.head_dim, seed, 4, 10.0f);
+  std::vector<float> values = test::random_rows(page_rows, g.head_dim, seed + 1);
+  const auto far = test::random_rows(page_rows, g.head_dim, seed + 2, g.head_dim, 300.0f);
+  keys.insert(keys.end(), far.begin(), far.end());
+  values.insert(values.end(), far.begin(), far.end());
+  for (std::size_t i = 0; i < page_rows * g.head_dim; ++i) {
+    keys.push_back(i % 5 == 0 ? -7.0f : 7.0f);
+    values.push_back(i % 5 == 0 ? -7.0f : 7.0f);
+  }
+  gpu::DevicePagePool pool({payload, 0}, 3);
+  gpu::DeviceLayer<typename Q::key_codec, typename Q::value_codec> layer(pool, 1, g.page_size, g.head_dim,
+                                                                         value_offset);
+  layer.add_stream({}, key_params, value_params, {}, {});
+  const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
+  const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
+  layer.append_pages(0, device_keys.data(), device_values.data(), 3);
+  gpu::check(cudaDeviceSynchronize(), "append_pages");
+  std::vector<std::byte> got(payload), want(payload);
+  for (index_t i = 0; i < 3; ++i) {
+    INFO(Q::name() << " page_size " << g.page_size << " head_dim " << g.head_dim << " fraction " << fraction
+                   << " page " << i);
+    const std::size_t first = static_cast<std::size_t>(i) * page_rows * g.head_dim;
+    q.key.encode(g, keys.data() + first, g.head_dim, key_params, want.data());
+    q.value.encode(g, values.data() + first, g.head_dim, value_params, want.data() + value_offset);
+    gpu::check(cudaMemcpy(got.data(), layer.page(0, i), payload, cudaMemcpyDeviceToHost), "download");
+    CHECK(std::memcmp(got.data(), want.data(), q.key.plane_bytes(g)) == 0);
+    CHECK(std::memcmp(got.data() + value_offset, want.data() + value_offset, q.value.plane_bytes(g)) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("KVQuant pages encoded on the device hold the host encoder's bytes", "[cuda][append]") {
+  for (const double fraction : {0.0, 0.01, 0.05}) {
+    check_kvquant_pages<4>({32, 128}, fraction, 1590);
+    check_kvquant_pages<3>({16, 64}, fraction, 1591);
+    check_kvquant_pages<2>({64, 96}, fraction, 1592);
+  }
+  check_kvquant_pages<3>({256, 256}, 0.01, 1593);  // a cache's largest page: 22 KiB of block memory
+  check_kvquant_pages<2>({32, 128}, 0.01, 1594, true);
+  check_kvquant_pages<4>({16, 64}, 0.03125, 1595);  // every value candidate kept, none capped
 }
 
 namespace {
