@@ -660,8 +660,12 @@ void check_twins(const HostCache& host, SeqId host_seq, DeviceCache& device, Seq
   for (index_t s = 0; s < host.streams_per_layer(); ++s) {
     const StoredTokens want = host.read_back(host_seq, layer, s);
     const StoredTokens got = device.read_back(device_seq, layer, s);
-    CHECK(device.layer(device_seq, layer).key_params(s) == host.codec_params(layer, s).first);
-    CHECK(device.layer(device_seq, layer).value_params(s) == host.codec_params(layer, s).second);
+    if constexpr (DeviceCache::kSameParams) {
+      CHECK(device.layer(device_seq, layer).key_params(s) == host.codec_params(layer, s).first);
+      CHECK(device.layer(device_seq, layer).value_params(s) == host.codec_params(layer, s).second);
+    } else {  // KVQuant: the same calibration tables on both sides
+      CHECK(device.codec_params(layer, s) == host.codec_params(layer, s));
+    }
     CHECK(got.positions == want.positions);
     CHECK(got.keys == want.keys);  // the same bytes through the same scalar decode
     CHECK(got.values == want.values);
@@ -722,7 +726,8 @@ template <class Quantizer>
 void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, std::uint32_t seed) {
   const ModelShape shape{2, 4, 2, 64};
   CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
-  KVCache<layout::GQA, Quantizer> host(shape, config);
+  const Quantizer quantizer = quantizer_for<Quantizer>(shape);
+  KVCache<layout::GQA, Quantizer> host(shape, config, quantizer);
   const SeqId host_seq = host.add_sequence();
   const index_t prompt = 3 * page_size + 9;
   for (index_t layer = 0; layer < 2; ++layer) {
@@ -730,7 +735,7 @@ void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, s
     const auto values = test::random_rows(static_cast<std::size_t>(prompt) * 2, 64, seed + 10 + layer);
     host.prefill(host_seq, layer, std::span<const float>(keys), std::span<const float>(values));
   }
-  gpu::DeviceKVCache<Quantizer> device(shape, config, 64);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 64, quantizer);
   const SeqId device_seq = device.adopt(host, host_seq);
   std::uint32_t data_seed = seed + 100;
   for (index_t t = 0; t < page_size + 3; ++t) {
@@ -744,9 +749,15 @@ void check_adopt(index_t page_size, index_t exact_prefix, index_t tail_tokens, s
   }
   CacheConfig other = config;
   other.page_size = 2 * page_size;
-  KVCache<layout::GQA, Quantizer> mismatched(shape, other);
+  KVCache<layout::GQA, Quantizer> mismatched(shape, other, quantizer);
   const SeqId mismatched_seq = mismatched.add_sequence();
   CHECK_THROWS_AS(device.adopt(mismatched, mismatched_seq), Error);
+  if constexpr (test::IsKVQuant<Quantizer>::value) {  // pages encoded with another calibration
+    KVCache<layout::GQA, Quantizer> recalibrated(shape, config, quantizer_for<Quantizer>(shape));
+    const SeqId recalibrated_seq = recalibrated.add_sequence();
+    expect_error([&] { (void)device.adopt(recalibrated, recalibrated_seq); }, ErrorCode::kInvalidArgument,
+                 "calibration");
+  }
 }
 
 /// A host and a device sequence forked at the same point (mid-page, rows in the tail), then
@@ -757,8 +768,9 @@ template <class Quantizer>
 void check_fork(index_t page_size, index_t exact_prefix, index_t tail_tokens, std::uint32_t seed) {
   const ModelShape shape{2, 4, 2, 64};
   CacheConfig config = window_config(page_size, exact_prefix, tail_tokens);
-  KVCache<layout::GQA, Quantizer> host(shape, config);
-  gpu::DeviceKVCache<Quantizer> device(shape, config, 128);
+  const Quantizer quantizer = quantizer_for<Quantizer>(shape);
+  KVCache<layout::GQA, Quantizer> host(shape, config, quantizer);
+  gpu::DeviceKVCache<Quantizer> device(shape, config, 128, quantizer);
   const SeqId host_parent = host.add_sequence();
   const SeqId device_parent = device.add_sequence();
   std::uint32_t data_seed = seed;
@@ -805,12 +817,14 @@ TEST_CASE("a forked device sequence shares its parent's pages and diverges from 
   check_fork<quant::Q4_0>(32, 0, 0, 1900);
   check_fork<quant::Float<kvpack::half>>(16, 3, 16, 1910);
   check_fork<quant::KIVI<4, 32>>(32, 2, 32, 1920);
+  check_fork<quant::KVQuant<3>>(32, 1, 32, 1930);  // the fork shares its parent's key-range tables
 }
 
 TEST_CASE("a sequence prefilled on the host continues on the device", "[cuda][device_cache]") {
   check_adopt<quant::Q4_0>(32, 0, 0, 1800);
   check_adopt<quant::Float<kvpack::half>>(16, 3, 16, 1810);
   check_adopt<quant::KIVI<2, 32>>(32, 0, 32, 1820);
+  check_adopt<quant::KVQuant<4>>(32, 1, 0, 1830);
 }
 
 TEST_CASE("a cache created on the device holds the host cache's pages and attends like it", "[cuda][device_cache]") {
@@ -818,6 +832,10 @@ TEST_CASE("a cache created on the device holds the host cache's pages and attend
   check_device_cache<quant::Float<kvpack::half>>(16, 3, 32, 64, 1610);
   check_device_cache<quant::KIVI<4, 32>>(32, 0, 32, 128, 1620);
   check_device_cache<quant::Int8>(32, 2, 0, 96, 1630);
+  check_device_cache<quant::KVQuant<4>>(32, 1, 32, 128, 1640,
+                                        quantizer_for<quant::KVQuant<4>>(ModelShape{2, 8, 4, 128}));
+  check_device_cache<quant::KVQuant<2>>(16, 0, 0, 64, 1650,
+                                        quantizer_for<quant::KVQuant<2>>(ModelShape{2, 8, 4, 64}));
 }
 
 namespace {

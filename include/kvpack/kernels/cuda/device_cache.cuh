@@ -43,25 +43,29 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
 template <class Codec>
 concept ParamsCrossUnchanged = std::is_same_v<device_params_t<Codec>, typename Codec::params_type>;
 
+/// A codec the cache can hold: one whose parameters have a device form of their own is fixed
+/// up front (KVQuant's calibration), so it must not calibrate from the data.
+template <class Codec>
+concept CacheableCodec = DeviceEncodable<Codec> && (ParamsCrossUnchanged<Codec> || !quant::CalibratedCodec<Codec>);
+
 }  // namespace device_cache_detail
 
 /// Grouped-query attention only (layout::GQA: one stream per KV head). Not yet: evictors,
-/// selectors, keys stored before RoPE, codecs the device cannot encode (TurboQuant) and codecs
-/// whose parameters have a device form of their own (KVQuant: its layers encode on the device,
-/// but this cache keeps one set of parameters for both sides): each is rejected at compile time
-/// or by the constructor. A codec that calibrates from the data
-/// (FP8's default) takes a layer's parameters as KVCache does, from the rows of the first write
-/// that encodes a page of that layer. Prefix sharing (CacheConfig::prefix_sharing) works as
-/// KVCache's, over this cache's own PrefixIndex of device pages: add_sequence(tokens) starts on
-/// the cached pages of a prompt's longest whole-page prefix, share_prefix and release cache them.
+/// selectors, keys stored before RoPE and codecs the device cannot encode (TurboQuant): each is
+/// rejected at compile time or by the constructor. KVQuant's parameters point into host tables:
+/// each layer holds device copies of what they point to, and the cache keeps the host's. A
+/// codec that calibrates from the data (FP8's default) takes a layer's parameters as KVCache
+/// does, from the rows of the first write that encodes a page of that layer. Prefix sharing
+/// (CacheConfig::prefix_sharing) works as KVCache's, over this cache's own PrefixIndex of device
+/// pages: add_sequence(tokens) starts on the cached pages of a prompt's longest whole-page
+/// prefix, share_prefix and release cache them.
 /// Calls that touch one sequence's layer run on one CUDA stream at a time, any stream (its
 /// tables, rows, workspace and scaled query are ordered by it); add_sequence and adopt are
 /// synchronous, fork, read_back and share_prefix wait for the whole device. Not thread-safe: one
 /// host thread at a time.
 template <class Quantizer>
-  requires DeviceEncodable<typename Quantizer::key_codec> && DeviceEncodable<typename Quantizer::value_codec> &&
-           device_cache_detail::ParamsCrossUnchanged<typename Quantizer::key_codec> &&
-           device_cache_detail::ParamsCrossUnchanged<typename Quantizer::value_codec>
+  requires device_cache_detail::CacheableCodec<typename Quantizer::key_codec> &&
+           device_cache_detail::CacheableCodec<typename Quantizer::value_codec>
 class DeviceKVCache {
  public:
   using KeyCodec = typename Quantizer::key_codec;
@@ -69,6 +73,10 @@ class DeviceKVCache {
   using Layer = DeviceLayer<KeyCodec, ValueCodec>;
   using KeyParams = typename KeyCodec::params_type;
   using ValueParams = typename ValueCodec::params_type;
+  /// Whether the layers hold the host's parameters themselves (every codec but KVQuant); only
+  /// such codecs calibrate from the data.
+  static constexpr bool kSameParams =
+      device_cache_detail::ParamsCrossUnchanged<KeyCodec> && device_cache_detail::ParamsCrossUnchanged<ValueCodec>;
 
   /// \param device_pages the device pool's capacity in pages (one cudaMalloc up front;
   ///        CacheConfig::max_pages is the host pool's and is not read)
@@ -183,8 +191,9 @@ class DeviceKVCache {
   /// yet; a layer without pages takes this cache's. The host cache keeps its sequence. All or
   /// nothing (for the sequences; cached prefixes evicted to make room stay evicted).
   /// \throws kvpack::Error(kInvalidArgument) when its shape, page size, exact prefix or tail
-  ///         window differ from this cache's, or a layer's pages were calibrated otherwise than
-  ///         this cache calibrated that layer; what mirror_layer throws; kvpack::OutOfPages
+  ///         window differ from this cache's, a layer's pages were calibrated otherwise than
+  ///         this cache calibrated that layer, or (KVQuant) its quantizer is not this cache's;
+  ///         what mirror_layer throws; kvpack::OutOfPages
   template <class Evictor, class Selector>
   [[nodiscard]] SeqId adopt(const KVCache<layout::GQA, Quantizer, Evictor, Selector>& cache, SeqId seq) {
     const ModelShape& other = cache.shape();
@@ -197,6 +206,11 @@ class DeviceKVCache {
                  kInvalidArgument,
                  "adopt: the host cache's shape, page_size, exact_prefix_tokens or tail_tokens differ from this "
                  "cache's");
+    if constexpr (!kSameParams) {
+      KVPACK_CHECK(cache.quantizer() == quantizer_, kInvalidArgument,
+                   "adopt: the host cache's quantizer (KVQuant's calibration tables, outlier fraction) is not this "
+                   "cache's");
+    }
     if (prefix_index_ != nullptr) {
       std::size_t pages = 0;  // at most what mirror_layer uploads
       for (index_t layer = 0; layer < shape_.layers; ++layer) {
@@ -211,7 +225,9 @@ class DeviceKVCache {
       sequence.layers.push_back(mirror_layer(cache, seq, layer, *pool_, &positions));
       Layer& device = sequence.layers.back();
       for (std::int32_t position : positions) sequence.positions[layer].add(position, 1);
-      if (cache.pages(seq, layer, 0).empty()) {
+      if constexpr (!kSameParams) {
+        continue;  // the host's parameters are this cache's (checked above) and never calibrate
+      } else if (cache.pages(seq, layer, 0).empty()) {
         for (index_t s = 0; s < shape_.kv_heads; ++s) {
           device.set_params(s, key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]);
         }
@@ -228,16 +244,19 @@ class DeviceKVCache {
     const SeqId id = next_id_;
     sequences_.emplace(id, std::move(sequence));
     ++next_id_;
-    for (index_t layer : calibrated_here) {  // no other sequence holds a page of these layers
-      // The host's parameters for the calibrating planes; this cache's own for the others.
-      const Layer& device = sequences_.at(id).layers[layer];
-      std::vector<KeyParams> keys;
-      std::vector<ValueParams> values;
-      for (index_t s = 0; s < shape_.kv_heads; ++s) {
-        keys.push_back(calibrates(quantizer_.key) ? device.key_params(s) : key_params_[param_index(layer, s)]);
-        values.push_back(calibrates(quantizer_.value) ? device.value_params(s) : value_params_[param_index(layer, s)]);
+    if constexpr (kSameParams) {  // calibrated_here stays empty otherwise
+      for (index_t layer : calibrated_here) {  // no other sequence holds a page of these layers
+        // The host's parameters for the calibrating planes; this cache's own for the others.
+        const Layer& device = sequences_.at(id).layers[layer];
+        std::vector<KeyParams> keys;
+        std::vector<ValueParams> values;
+        for (index_t s = 0; s < shape_.kv_heads; ++s) {
+          keys.push_back(calibrates(quantizer_.key) ? device.key_params(s) : key_params_[param_index(layer, s)]);
+          values.push_back(calibrates(quantizer_.value) ? device.value_params(s)
+                                                        : value_params_[param_index(layer, s)]);
+        }
+        commit_calibration(layer, keys, values, id);
       }
-      commit_calibration(layer, keys, values, id);
     }
     return id;
   }
@@ -355,8 +374,9 @@ class DeviceKVCache {
     for (index_t i = 0; i < device.pages(kv_head); ++i) {
       check(cudaMemcpy(payload.data(), device.page(kv_head, i), payload.size(), cudaMemcpyDeviceToHost),
             "page download");
-      quantizer_.key.decode(g, payload.data(), device.key_params(kv_head), keys.data());
-      quantizer_.value.decode(g, payload.data() + value_offset_, device.value_params(kv_head), values.data());
+      const auto [key_params, value_params] = host_params(device, layer, kv_head);
+      quantizer_.key.decode(g, payload.data(), key_params, keys.data());
+      quantizer_.value.decode(g, payload.data() + value_offset_, value_params, values.data());
       stored.keys.insert(stored.keys.end(), keys.begin(), keys.end());
       stored.values.insert(stored.values.end(), values.begin(), values.end());
     }
@@ -430,6 +450,16 @@ class DeviceKVCache {
     std::string salt;
     paging::PrefixLease lease;  // pins the cached prefix it started on or cached
   };
+
+  /// The host form of stream `s`'s parameters in a layer of a sequence: the layer's own, or,
+  /// where the layer holds a device form, this cache's (the only ones its layers take).
+  std::pair<KeyParams, ValueParams> host_params(const Layer& device, index_t layer, index_t s) const {
+    if constexpr (kSameParams) {
+      return {device.key_params(s), device.value_params(s)};
+    } else {
+      return {key_params_[param_index(layer, s)], value_params_[param_index(layer, s)]};
+    }
+  }
 
   template <class Codec>
   static bool calibrates(const Codec& codec) {
@@ -632,7 +662,9 @@ class DeviceKVCache {
     const auto first_page = [&] {
       return plan_row_append(device.stored_rows(0), static_cast<index_t>(tokens), rule).new_pages > 0;
     };
-    if (calibrated_[layer] || !first_page()) {
+    if constexpr (!kSameParams) {
+      append(device, positions, keys.data(), values.data(), tokens, last, stream);  // nothing calibrates
+    } else if (calibrated_[layer] || !first_page()) {
       append(device, positions, keys.data(), values.data(), tokens, last, stream);
     } else {
       // The layer's first page: its parameters come from the rows that fill it, as on the host.

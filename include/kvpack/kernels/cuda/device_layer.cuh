@@ -212,12 +212,11 @@ class DeviceLayer {
   }
 
   /// A layer that shares this one's pages (one more holder each: pages are immutable once
-  /// encoded) and has its own fp32 rows and tables, so what either appends later the other does
-  /// not see. The rows are copied on `stream` after what is queued there; returns once they are.
-  /// Not yet for codecs whose parameters point into device tables (KVQuant, TurboQuant).
-  [[nodiscard]] DeviceLayer fork(cudaStream_t stream = nullptr) const
-    requires std::is_same_v<KeyParams, HostKeyParams> && std::is_same_v<ValueParams, HostValueParams>
-  {
+  /// encoded) and the device tables its parameters point to (KVQuant's key ranges, TurboQuant's
+  /// rotations), and has its own fp32 rows and block tables, so what either appends later the
+  /// other does not see. The rows are copied on `stream` after what is queued there; returns
+  /// once they are.
+  [[nodiscard]] DeviceLayer fork(cudaStream_t stream = nullptr) const {
     DeviceLayer copy(*pool_, group_, page_size_, head_dim_, value_offset_, rule_.window);
     copy.owned_.reserve(owned_.size());
     for (PageId id : owned_) {
@@ -225,6 +224,7 @@ class DeviceLayer {
       copy.owned_.push_back(id);  // reserved: cannot throw, so the copy releases every page retained
     }
     copy.uploaded_ = uploaded_;
+    copy.param_tables_ = param_tables_;
     copy.stream_pages_ = stream_pages_;
     copy.key_params_ = key_params_;
     copy.value_params_ = value_params_;

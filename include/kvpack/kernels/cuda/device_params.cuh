@@ -6,6 +6,7 @@
 ///        are copied to device memory here (element_decode.hpp defines the device forms).
 
 #include <cstddef>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -17,6 +18,8 @@ namespace kvpack::inline v0::kernels::cuda {
 
 /// Owns the device copies behind the device parameters it makes; keep it as long as they are read.
 /// TurboQuant's rotation matrices are sent once per distinct matrix (a layer's streams share one).
+/// A copy shares the device copies (a forked layer reads its parent's parameters); each lives
+/// until its last holder goes.
 class DeviceParamTables {
  public:
   template <class Codec>
@@ -28,8 +31,8 @@ class DeviceParamTables {
       std::vector<float> both(host.offset, host.offset + g.head_dim);
       both.insert(both.end(), host.half_range, host.half_range + g.head_dim);
       tables_.reserve(tables_.size() + 1);
-      tables_.emplace_back(std::span<const float>(both));
-      const float* device = tables_.back().data();
+      tables_.push_back(std::make_shared<DeviceBuffer<float>>(std::span<const float>(both)));
+      const float* device = tables_.back()->data();
       return to_device_params(host, g, device, device + g.head_dim);
     } else if constexpr (std::is_same_v<Device, KVQuantDeviceValueParams>) {
       return to_device_params(host, g);
@@ -41,15 +44,15 @@ class DeviceParamTables {
       // A layer's streams share one rotation: a matrix already on the device is not sent again.
       for (const Uploaded& earlier : matrices_) {
         if (earlier.host == matrix) {
-          params.transform = tables_[earlier.table].data();
+          params.transform = tables_[earlier.table]->data();
           return params;
         }
       }
       tables_.reserve(tables_.size() + 1);
       matrices_.reserve(matrices_.size() + 1);
-      tables_.emplace_back(std::span<const float>(matrix));
+      tables_.push_back(std::make_shared<DeviceBuffer<float>>(std::span<const float>(matrix)));
       matrices_.push_back({std::move(matrix), tables_.size() - 1});
-      params.transform = tables_.back().data();
+      params.transform = tables_.back()->data();
       return params;
     } else {
       static_assert(std::is_same_v<Device, typename Codec::params_type>);
@@ -71,7 +74,7 @@ class DeviceParamTables {
     std::vector<float> host;
     std::size_t table;
   };
-  std::vector<DeviceBuffer<float>> tables_;
+  std::vector<std::shared_ptr<const DeviceBuffer<float>>> tables_;
   std::vector<Uploaded> matrices_;
 };
 
