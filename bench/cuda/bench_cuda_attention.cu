@@ -209,9 +209,15 @@ void BM_CudaEncodePages(benchmark::State& state) {
   std::mt19937 rng(11);
   const std::vector<float> rows = random_rows(rng, static_cast<std::size_t>(pages) * kPageSize, true);
   const gpu::DeviceBuffer<float> device_rows{std::span<const float>(rows)};
-  gpu::DeviceParamTables tables;  // KVQuant's calibrated key ranges, on the device
-  const auto key_params = tables.upload<typename Quantizer::key_codec>(q.key.initial_params(0, 0), g);
-  const auto value_params = tables.upload<typename Quantizer::value_codec>(q.value.initial_params(0, 0), g);
+  const auto host_key_params = q.key.initial_params(0, 0);
+  const auto host_value_params = q.value.initial_params(0, 0);
+  if constexpr (requires { q.key.prepare(g, host_key_params); }) {  // TurboQuant's rotation
+    q.key.prepare(g, host_key_params);
+    q.value.prepare(g, host_value_params);
+  }
+  gpu::DeviceParamTables tables;  // KVQuant's calibrated key ranges, TurboQuant's rotation, on the device
+  const auto key_params = tables.upload<typename Quantizer::key_codec>(host_key_params, g);
+  const auto value_params = tables.upload<typename Quantizer::value_codec>(host_value_params, g);
   gpu::DevicePagePool pool({payload, 0}, static_cast<std::size_t>(pages));
   std::vector<std::byte*> targets(pages);
   for (index_t i = 0; i < pages; ++i) targets[i] = pool.payload(static_cast<PageId>(i));
@@ -314,6 +320,7 @@ BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::Q4_0)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KIVI<2, 32>)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KVQuant<4>)->Apply(encode_shape);
 BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::KVQuant<2>)->Apply(encode_shape);
+BENCHMARK_TEMPLATE(BM_CudaEncodePages, quant::TurboQuant<8>)->Apply(encode_shape);
 
 void step_shape(benchmark::internal::Benchmark* b) {
   b->ArgName("append")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);

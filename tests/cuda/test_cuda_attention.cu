@@ -287,12 +287,13 @@ TEST_CASE("a layer's TurboQuant streams share one rotation matrix on the device"
   const auto first_key = tables.upload<Q::key_codec>(f.key_params, g);
   const auto second_key = tables.upload<Q::key_codec>(f.key_params, g);
   const auto value = tables.upload<Q::value_codec>(f.value_params, g);
-  CHECK(tables.table_count() == 2);  // Rᵀ for keys, R for values
+  CHECK(tables.table_count() == 3);  // Rᵀ for keys, R's signs (the encoders'), R for values
   CHECK(first_key.transform == second_key.transform);
   CHECK(first_key.transform != value.transform);
-  tables.discard_from(1);  // the value matrix is gone, and a new upload sends it again
+  CHECK(first_key.rotation == value.rotation);
+  tables.discard_from(2);  // the value matrix is gone, and a new upload sends it again
   CHECK(tables.upload<Q::value_codec>(f.value_params, g).transform != nullptr);
-  CHECK(tables.table_count() == 2);
+  CHECK(tables.table_count() == 3);
 }
 
 TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {
@@ -553,23 +554,17 @@ TEST_CASE("tokens appended on the device follow the host cache's pages and rows"
 
 namespace {
 
-/// KVQuant pages encoded on the device (append_pages) against the host's scalar encoder, byte for
-/// byte: rows like the calibration's, keys far outside it (every element a candidate, more than
-/// the section holds), and equal elements (ties in how far outside).
-template <int Bits>
-void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t seed, bool q_norm = false) {
-  using Q = quant::KVQuant<Bits>;
-  std::shared_ptr<const quant::KVQuantTables> tables = test::make_quantizer<Q>(g.head_dim).key.tables;
-  if (q_norm) {  // rounded to other levels than decoded
-    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
-    options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
-    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, g.head_dim}, options);
-    calibrator.add(0, test::random_rows(256, g.head_dim, seed, 4, 10.0f), test::random_rows(256, g.head_dim, seed + 1));
-    tables = calibrator.finish();
-  }
-  const Q q(tables, fraction);
+/// Pages encoded on the device (append_pages) against the host's scalar encoder, byte for byte:
+/// rows like the calibration's, rows far outside it (for KVQuant every key a candidate, more
+/// than the section holds), and equal elements (ties in how far outside).
+template <class Quantizer>
+void check_device_pages(const Quantizer& q, quant::PageGeometry g, std::uint32_t seed) {
   const auto key_params = q.key.initial_params(0, 0);
   const auto value_params = q.value.initial_params(0, 0);
+  if constexpr (requires { q.key.prepare(g, key_params); }) {  // TurboQuant's tables, as KVCache builds them
+    q.key.prepare(g, key_params);
+    q.value.prepare(g, value_params);
+  }
   const std::size_t value_offset = (q.key.plane_bytes(g) + 63) / 64 * 64;
   const std::size_t payload = (value_offset + q.value.plane_bytes(g) + 63) / 64 * 64;
   const auto page_rows = static_cast<std::size_t>(g.page_size);
@@ -583,8 +578,8 @@ void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t s
     values.push_back(i % 5 == 0 ? -7.0f : 7.0f);
   }
   gpu::DevicePagePool pool({payload, 0}, 3);
-  gpu::DeviceLayer<typename Q::key_codec, typename Q::value_codec> layer(pool, 1, g.page_size, g.head_dim,
-                                                                         value_offset);
+  gpu::DeviceLayer<typename Quantizer::key_codec, typename Quantizer::value_codec> layer(pool, 1, g.page_size,
+                                                                                         g.head_dim, value_offset);
   layer.add_stream({}, key_params, value_params, {}, {});
   const gpu::DeviceBuffer<float> device_keys{std::span<const float>(keys)};
   const gpu::DeviceBuffer<float> device_values{std::span<const float>(values)};
@@ -592,8 +587,7 @@ void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t s
   gpu::check(cudaDeviceSynchronize(), "append_pages");
   std::vector<std::byte> got(payload), want(payload);
   for (index_t i = 0; i < 3; ++i) {
-    INFO(Q::name() << " page_size " << g.page_size << " head_dim " << g.head_dim << " fraction " << fraction
-                   << " page " << i);
+    INFO(Quantizer::name() << " page_size " << g.page_size << " head_dim " << g.head_dim << " page " << i);
     const std::size_t first = static_cast<std::size_t>(i) * page_rows * g.head_dim;
     q.key.encode(g, keys.data() + first, g.head_dim, key_params, want.data());
     q.value.encode(g, values.data() + first, g.head_dim, value_params, want.data() + value_offset);
@@ -601,6 +595,23 @@ void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t s
     CHECK(std::memcmp(got.data(), want.data(), q.key.plane_bytes(g)) == 0);
     CHECK(std::memcmp(got.data() + value_offset, want.data() + value_offset, q.value.plane_bytes(g)) == 0);
   }
+}
+
+/// check_device_pages for KVQuant<Bits> at an outlier fraction, calibrated as the other tests
+/// are, or with Q-Norm (rounded to other levels than decoded).
+template <int Bits>
+void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t seed, bool q_norm = false) {
+  using Q = quant::KVQuant<Bits>;
+  std::shared_ptr<const quant::KVQuantTables> tables = test::make_quantizer<Q>(g.head_dim).key.tables;
+  if (q_norm) {
+    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
+    options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
+    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, g.head_dim}, options);
+    calibrator.add(0, test::random_rows(256, g.head_dim, seed, 4, 10.0f), test::random_rows(256, g.head_dim, seed + 1));
+    tables = calibrator.finish();
+  }
+  INFO("outlier fraction " << fraction << (q_norm ? ", Q-Norm" : ""));
+  check_device_pages(Q(tables, fraction), g, seed);
 }
 
 }  // namespace
@@ -614,6 +625,14 @@ TEST_CASE("KVQuant pages encoded on the device hold the host encoder's bytes", "
   check_kvquant_pages<3>({256, 256}, 0.01, 1593);  // a cache's largest page: 22 KiB of block memory
   check_kvquant_pages<2>({32, 128}, 0.01, 1594, true);
   check_kvquant_pages<4>({16, 64}, 0.03125, 1595);  // every value candidate kept, none capped
+}
+
+TEST_CASE("TurboQuant-MSE pages encoded on the device hold the host encoder's bytes", "[cuda][append]") {
+  // Hadamard rotations at head_dim 128 and 64, the dense one at 96; 4, 3.5, 3 and 2.5 bits.
+  check_device_pages(quant::TurboQuant<8>{}, {32, 128}, 1596);
+  check_device_pages(quant::TurboQuant<7>{}, {16, 64}, 1597);
+  check_device_pages(quant::TurboQuant<6>{}, {32, 96}, 1598);
+  check_device_pages(quant::TurboQuant<5>{}, {64, 128}, 1599);
 }
 
 namespace {

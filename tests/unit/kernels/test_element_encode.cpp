@@ -12,6 +12,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "kvpack/kernels/cuda/element_encode.hpp"
@@ -149,7 +150,49 @@ void check_kvquant(quant::PageGeometry g, double fraction, bool q_norm, std::uin
   if (fraction > 0.0) CHECK(most_key_outliers == quant::kvquant_detail::outlier_capacity(fraction, g));
 }
 
+/// TurboQuant-MSE's token encoder on both planes of TurboQuant<HalfBits>, with the rotation read
+/// from the host's own tables as the device reads its copy of them.
+template <int HalfBits>
+void check_turbo(quant::PageGeometry g, std::uint32_t seed) {
+  using Q = quant::TurboQuant<HalfBits>;
+  const Q q{};
+  std::vector<std::vector<float>> cases{test::random_rows(g.page_size, g.head_dim, seed, 4, 10.0f),
+                                        rows_for(g.page_size, g.head_dim, q.key.max_abs_input(), seed + 1)};
+  auto check_plane = [&](const auto& codec, auto params) {
+    using Codec = std::remove_cvref_t<decltype(codec)>;
+    using Encoder = kernels::cuda::ElementEncoder<Codec>;
+    codec.prepare(g, params);
+    const std::vector<float> rotation =
+        kernels::cuda::turbo_rotation_table(quant::turbo_detail::layer_view(params, g.head_dim).rotation);
+    const auto device = kernels::cuda::to_device_params(params, g, nullptr, rotation.data());
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      std::vector<std::byte> expected(codec.plane_bytes(g)), got(expected.size(), std::byte{0xAB});
+      codec.encode(g, cases[k].data(), g.head_dim, params, expected.data());
+      for (index_t u = 0; u < Encoder::units(g); ++u) {
+        Encoder::encode_unit(cases[k].data(), g.head_dim, device, got.data(), g, u);
+      }
+      INFO(Q::name() << (Codec::kPlane == Plane::kKey ? " keys" : " values") << " page_size " << g.page_size
+                     << " head_dim " << g.head_dim << " case " << k);
+      CHECK(got == expected);
+    }
+  };
+  check_plane(q.key, q.key.initial_params(0, 0));
+  check_plane(q.value, q.value.initial_params(0, 0));
+}
+
 }  // namespace
+
+TEST_CASE("CUDA token encoder writes exactly TurboQuant-MSE's scalar bytes", "[cuda][encode][turbo]") {
+  // Hadamard rotations at head_dim 64 and 128, the dense one at 96; every rate's code layout.
+  for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 64},
+                                      quant::PageGeometry{16, 96}}) {
+    check_turbo<8>(g, 101);
+    check_turbo<7>(g, 111);
+    check_turbo<6>(g, 121);
+    check_turbo<5>(g, 131);
+    check_turbo<4>(g, 141);
+  }
+}
 
 TEST_CASE("CUDA staged encoders write exactly KVQuant's scalar bytes", "[cuda][encode][kvquant]") {
   for (const quant::PageGeometry g : {quant::PageGeometry{32, 128}, quant::PageGeometry{16, 64},
@@ -189,5 +232,7 @@ TEST_CASE("CUDA unit encoders write exactly the scalar encoders' bytes", "[cuda]
 
 static_assert(kernels::cuda::DeviceEncodable<quant::KVQuantKeyCodec<3>> &&
               kernels::cuda::DeviceEncodable<quant::KVQuantValueCodec<3>>);
-static_assert(!kernels::cuda::DeviceEncodable<quant::TurboQuant<8>::value_codec>,
-              "TurboQuant is not encoded on the device yet: the append path must reject it at compile time");
+static_assert(kernels::cuda::DeviceEncodable<quant::TurboQuant<7>::key_codec>);
+static_assert(!kernels::cuda::DeviceEncodable<
+                  quant::TurboQuant<8, quant::TurboVariant::kProd, quant::TurboVariant::kProd>::value_codec>,
+              "Prod's sign sketch is not encoded on the device: the append path must reject it at compile time");

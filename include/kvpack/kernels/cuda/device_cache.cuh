@@ -44,9 +44,12 @@ template <class Codec>
 concept ParamsCrossUnchanged = std::is_same_v<device_params_t<Codec>, typename Codec::params_type>;
 
 /// A codec the cache can hold: one whose parameters have a device form of their own is fixed
-/// up front (KVQuant's calibration), so it must not calibrate from the data.
+/// up front (KVQuant's calibration), so it must not calibrate from the data. Not yet TurboQuant,
+/// whose per-layer tables the cache would have to build (`prepare`) and whose attention in the
+/// rotated space its twins' tests would have to bound.
 template <class Codec>
-concept CacheableCodec = DeviceEncodable<Codec> && (ParamsCrossUnchanged<Codec> || !quant::CalibratedCodec<Codec>);
+concept CacheableCodec = DeviceEncodable<Codec> && !rotated_space<ElementDecoder<Codec>> &&
+                         (ParamsCrossUnchanged<Codec> || !quant::CalibratedCodec<Codec>);
 
 }  // namespace device_cache_detail
 

@@ -17,7 +17,8 @@
 namespace kvpack::inline v0::kernels::cuda {
 
 /// Owns the device copies behind the device parameters it makes; keep it as long as they are read.
-/// TurboQuant's rotation matrices are sent once per distinct matrix (a layer's streams share one).
+/// TurboQuant's rotation matrices and signs are sent once per distinct contents (a layer's
+/// streams share one rotation).
 /// A copy shares the device copies (a forked layer reads its parent's parameters); each lives
 /// until its last holder goes.
 class DeviceParamTables {
@@ -39,20 +40,9 @@ class DeviceParamTables {
     } else if constexpr (std::is_same_v<Device, TurboDeviceParams>) {
       // Checks the tables exist before anything is allocated.
       TurboDeviceParams params = to_device_params(host, g, nullptr);
-      std::vector<float> matrix =
-          turbo_transform(quant::turbo_detail::layer_view(host, g.head_dim).rotation, g.head_dim, Codec::kPlane);
-      // A layer's streams share one rotation: a matrix already on the device is not sent again.
-      for (const Uploaded& earlier : matrices_) {
-        if (earlier.host == matrix) {
-          params.transform = tables_[earlier.table]->data();
-          return params;
-        }
-      }
-      tables_.reserve(tables_.size() + 1);
-      matrices_.reserve(matrices_.size() + 1);
-      tables_.push_back(std::make_shared<DeviceBuffer<float>>(std::span<const float>(matrix)));
-      matrices_.push_back({std::move(matrix), tables_.size() - 1});
-      params.transform = tables_.back()->data();
+      const quant::RotationView& rotation = quant::turbo_detail::layer_view(host, g.head_dim).rotation;
+      params.transform = upload_once(turbo_transform(rotation, g.head_dim, Codec::kPlane));
+      params.rotation = upload_once(turbo_rotation_table(rotation));
       return params;
     } else {
       static_assert(std::is_same_v<Device, typename Codec::params_type>);
@@ -60,22 +50,35 @@ class DeviceParamTables {
     }
   }
 
+  /// A device copy of `host`, sent once per distinct contents: a layer's streams share one
+  /// rotation, so TurboQuant's matrices and signs are recognised by what they hold.
+  const float* upload_once(std::vector<float> host) {
+    for (const Uploaded& earlier : shared_) {
+      if (earlier.host == host) return tables_[earlier.table]->data();
+    }
+    tables_.reserve(tables_.size() + 1);
+    shared_.reserve(shared_.size() + 1);
+    tables_.push_back(std::make_shared<DeviceBuffer<float>>(std::span<const float>(host)));
+    shared_.push_back({std::move(host), tables_.size() - 1});
+    return tables_.back()->data();
+  }
+
   /// How many device tables it holds; with discard_from, lets a caller undo a failed step.
   [[nodiscard]] std::size_t table_count() const noexcept { return tables_.size(); }
   /// Frees every table uploaded after the first `count` (nothing may still read them).
   void discard_from(std::size_t count) noexcept {
     if (count < tables_.size()) tables_.erase(tables_.begin() + static_cast<std::ptrdiff_t>(count), tables_.end());
-    std::erase_if(matrices_, [count](const Uploaded& m) { return m.table >= count; });
+    std::erase_if(shared_, [count](const Uploaded& m) { return m.table >= count; });
   }
 
  private:
-  /// A rotation matrix on the device, with the host copy it is recognised by.
+  /// A table sent by upload_once, with the host copy it is recognised by.
   struct Uploaded {
     std::vector<float> host;
     std::size_t table;
   };
   std::vector<std::shared_ptr<const DeviceBuffer<float>>> tables_;
-  std::vector<Uploaded> matrices_;
+  std::vector<Uploaded> shared_;
 };
 
 }  // namespace kvpack::inline v0::kernels::cuda

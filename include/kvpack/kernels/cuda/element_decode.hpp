@@ -386,6 +386,11 @@ struct ElementDecoder<quant::KVQuantValueCodec<Bits>> {
 struct TurboDeviceParams {
   const float* transform = nullptr;  ///< M, [head_dim][head_dim], device memory
   float centroids[2][16] = {};       ///< the high and low channels' levels
+  // What the encoder (turbo_encode.hpp) needs besides: R as the host applies it, and the codes'
+  // boundaries.
+  const float* rotation = nullptr;  ///< R's signs [head_dim] (Hadamard) or Q [head_dim][head_dim], device memory
+  std::uint32_t hadamard = 0;       ///< whether `rotation` holds signs
+  float boundaries[2][16] = {};     ///< the high and low channels' midpoints
   std::uint32_t high_channels = 0;
   std::uint32_t high_bits = 0;
   std::uint32_t low_bits = 0;
@@ -397,10 +402,11 @@ struct DeviceParams<quant::TurboCodec<quant::TurboVariant::kMse, P>> {
   using type = TurboDeviceParams;
 };
 
-/// The device form of a TurboQuant-MSE plane's parameters, with M at `transform`. The layer's
-/// tables must exist (a page encoded, or the codec's `prepare` called, as KVCache does).
+/// The device form of a TurboQuant-MSE plane's parameters, with M at `transform` and R's signs
+/// or matrix (turbo_rotation_table) at `rotation`. The layer's tables must exist (a page encoded,
+/// or the codec's `prepare` called, as KVCache does).
 inline TurboDeviceParams to_device_params(const quant::turbo_detail::Params& host, quant::PageGeometry g,
-                                          const float* transform) {
+                                          const float* transform, const float* rotation = nullptr) {
   const quant::turbo_detail::LayerTables* tables =
       host.store != nullptr ? host.store->find(g.head_dim, host.layer) : nullptr;
   KVPACK_CHECK(tables != nullptr, kInvalidArgument,
@@ -411,6 +417,10 @@ inline TurboDeviceParams to_device_params(const quant::turbo_detail::Params& hos
   out.transform = transform;
   std::copy(v.high_centroids, v.high_centroids + 16, out.centroids[0]);
   std::copy(v.low_centroids, v.low_centroids + 16, out.centroids[1]);
+  out.rotation = rotation;
+  out.hadamard = v.rotation.kind == quant::RotationKind::kHadamard ? 1u : 0u;
+  std::copy(v.high_boundaries, v.high_boundaries + 16, out.boundaries[0]);
+  std::copy(v.low_boundaries, v.low_boundaries + 16, out.boundaries[1]);
   out.high_channels = static_cast<std::uint32_t>(v.high_channels);
   out.high_bits = static_cast<std::uint32_t>(v.high_bits);
   out.low_bits = static_cast<std::uint32_t>(v.low_bits);
@@ -436,6 +446,14 @@ inline std::vector<float> turbo_transform(const quant::RotationView& rotation, i
     unit[static_cast<std::size_t>(j)] = 0.0f;
   }
   return matrix;
+}
+
+/// What TurboDeviceParams::rotation holds: R's signs (Hadamard) or its matrix Q (dense), as the
+/// host's rotation stores them.
+inline std::vector<float> turbo_rotation_table(const quant::RotationView& rotation) {
+  const std::size_t d = static_cast<std::size_t>(rotation.dim);
+  return rotation.kind == quant::RotationKind::kHadamard ? std::vector<float>(rotation.signs, rotation.signs + d)
+                                                         : std::vector<float>(rotation.matrix, rotation.matrix + d * d);
 }
 
 /// TurboQuant-MSE: channel c of token t's rotated row, n_t·C(code_tc), high channels first in

@@ -10,7 +10,8 @@
 /// arithmetic of the codec's scalar `encode` (no fused multiply-adds where the host has none), so
 /// the bytes are identical: the host test suite checks that, unit by unit, on every CI run, and the
 /// CUDA tests check the device's bytes against the host's. KVQuant, whose outliers are chosen
-/// over a whole page, is encoded in stages of such units (`StagedEncoder`, kvquant_encode.hpp).
+/// over a whole page, is encoded in stages of such units (`StagedEncoder`, kvquant_encode.hpp);
+/// TurboQuant-MSE one token per unit (turbo_encode.hpp).
 
 #include <cmath>
 #include <cstddef>
@@ -22,6 +23,7 @@
 #include "kvpack/core/half.hpp"
 #include "kvpack/kernels/cuda/element_decode.hpp"
 #include "kvpack/kernels/cuda/kvquant_encode.hpp"
+#include "kvpack/kernels/cuda/turbo_encode.hpp"
 #include "kvpack/quant/float.hpp"
 #include "kvpack/quant/fp8.hpp"
 #include "kvpack/quant/ggml_blocks.hpp"
@@ -275,6 +277,13 @@ struct ElementEncoder<quant::KVQuantKeyCodec<Bits>> : KVQuantKeyPageEncoder<Bits
 
 template <int Bits>
 struct ElementEncoder<quant::KVQuantValueCodec<Bits>> : KVQuantValuePageEncoder<Bits> {
+  static constexpr bool kSupported = true;
+};
+
+/// TurboQuant-MSE: one token per unit (turbo_encode.hpp), parameters in their device form. Prod's
+/// sign sketch is not encoded on the device.
+template <Plane P>
+struct ElementEncoder<quant::TurboCodec<quant::TurboVariant::kMse, P>> : TurboMseEncoder<P> {
   static constexpr bool kSupported = true;
 };
 
