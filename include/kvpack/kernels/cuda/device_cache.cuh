@@ -43,19 +43,25 @@ __global__ void scale_kernel(const float* in, float* out, float scale, std::size
 template <class Codec>
 concept ParamsCrossUnchanged = std::is_same_v<device_params_t<Codec>, typename Codec::params_type>;
 
-/// A codec the cache can hold: one whose parameters have a device form of their own is fixed
-/// up front (KVQuant's calibration), so it must not calibrate from the data. Not yet TurboQuant,
-/// whose per-layer tables the cache would have to build (`prepare`) and whose attention in the
-/// rotated space its twins' tests would have to bound.
+/// A codec the cache can encode and read. Not yet TurboQuant, whose per-layer tables the cache
+/// would have to build (`prepare`) and whose attention in the rotated space its twins' tests
+/// would have to bound.
 template <class Codec>
-concept CacheableCodec = DeviceEncodable<Codec> && !rotated_space<ElementDecoder<Codec>> &&
-                         (ParamsCrossUnchanged<Codec> || !quant::CalibratedCodec<Codec>);
+concept CacheableCodec = DeviceEncodable<Codec> && !rotated_space<ElementDecoder<Codec>>;
+
+/// A quantizer the cache can hold: when either plane's parameters have a device form of their
+/// own (KVQuant's), the cache keeps one host set per stream, fixed up front, so neither plane may
+/// calibrate from the data (a Mixed pair of FP8 keys and KVQuant values would).
+template <class Quantizer, class K = typename Quantizer::key_codec, class V = typename Quantizer::value_codec>
+concept CacheableQuantizer = CacheableCodec<K> && CacheableCodec<V> &&
+                             ((ParamsCrossUnchanged<K> && ParamsCrossUnchanged<V>) ||
+                              (!quant::CalibratedCodec<K> && !quant::CalibratedCodec<V>));
 
 }  // namespace device_cache_detail
 
 /// Grouped-query attention only (layout::GQA: one stream per KV head). Not yet: evictors,
-/// selectors, keys stored before RoPE and codecs the device cannot encode (TurboQuant): each is
-/// rejected at compile time or by the constructor. KVQuant's parameters point into host tables:
+/// selectors, keys stored before RoPE, codecs the device cannot encode (Prod's, QJL's keys) and
+/// TurboQuant-MSE: each is rejected at compile time or by the constructor. KVQuant's parameters point into host tables:
 /// each layer holds device copies of what they point to, and the cache keeps the host's. A
 /// codec that calibrates from the data (FP8's default) takes a layer's parameters as KVCache
 /// does, from the rows of the first write that encodes a page of that layer. Prefix sharing
@@ -67,8 +73,7 @@ concept CacheableCodec = DeviceEncodable<Codec> && !rotated_space<ElementDecoder
 /// synchronous, fork, read_back and share_prefix wait for the whole device. Not thread-safe: one
 /// host thread at a time.
 template <class Quantizer>
-  requires device_cache_detail::CacheableCodec<typename Quantizer::key_codec> &&
-           device_cache_detail::CacheableCodec<typename Quantizer::value_codec>
+  requires device_cache_detail::CacheableQuantizer<Quantizer>
 class DeviceKVCache {
  public:
   using KeyCodec = typename Quantizer::key_codec;

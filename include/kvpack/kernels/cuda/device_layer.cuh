@@ -313,12 +313,13 @@ class DeviceLayer {
     return (rows_device_.keys.size() + rows_device_.values.size() + scratch_.keys.size() + scratch_.values.size()) *
            sizeof(float);
   }
-  /// Device bytes of its block tables, parameters, row counts, encode targets and attention
-  /// scratch, as allocated.
+  /// Device bytes of its block tables, parameters and the tables they point to (KVQuant's key
+  /// ranges, TurboQuant's rotation: counted again by a fork that shares them), row counts,
+  /// encode targets and attention scratch, as allocated.
   [[nodiscard]] std::size_t table_bytes() const noexcept {
     return pages_.allocated_bytes() + first_page_device_.allocated_bytes() + key_params_device_.allocated_bytes() +
-           value_params_device_.allocated_bytes() + tail_count_.allocated_bytes() + encode_targets_.allocated_bytes() +
-           workspace_.bytes();
+           value_params_device_.allocated_bytes() + param_tables_.bytes() + tail_count_.allocated_bytes() +
+           encode_targets_.allocated_bytes() + workspace_.bytes();
   }
 
   /// Bytes one attend reads from HBM: every stream's pages, plus its full-precision rows.

@@ -54,13 +54,21 @@ class DeviceParamTables {
   /// rotation, so TurboQuant's matrices and signs are recognised by what they hold.
   const float* upload_once(std::vector<float> host) {
     for (const Uploaded& earlier : shared_) {
-      if (earlier.host == host) return tables_[earlier.table]->data();
+      if (*earlier.host == host) return tables_[earlier.table]->data();
     }
     tables_.reserve(tables_.size() + 1);
     shared_.reserve(shared_.size() + 1);
-    tables_.push_back(std::make_shared<DeviceBuffer<float>>(std::span<const float>(host)));
-    shared_.push_back({std::move(host), tables_.size() - 1});
+    auto kept = std::make_shared<const std::vector<float>>(std::move(host));
+    tables_.push_back(std::make_shared<DeviceBuffer<float>>(std::span<const float>(*kept)));
+    shared_.push_back({std::move(kept), tables_.size() - 1});
     return tables_.back()->data();
+  }
+
+  /// Device bytes of the tables it holds (a table shared with a copy counts in both).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& table : tables_) total += table->size() * sizeof(float);
+    return total;
   }
 
   /// How many device tables it holds; with discard_from, lets a caller undo a failed step.
@@ -72,9 +80,9 @@ class DeviceParamTables {
   }
 
  private:
-  /// A table sent by upload_once, with the host copy it is recognised by.
+  /// A table sent by upload_once, with the host copy it is recognised by (shared by copies too).
   struct Uploaded {
-    std::vector<float> host;
+    std::shared_ptr<const std::vector<float>> host;
     std::size_t table;
   };
   std::vector<std::shared_ptr<const DeviceBuffer<float>>> tables_;
