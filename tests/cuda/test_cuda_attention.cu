@@ -602,17 +602,8 @@ void check_device_pages(const Quantizer& q, quant::PageGeometry g, std::uint32_t
 /// are, or with Q-Norm (rounded to other levels than decoded).
 template <int Bits>
 void check_kvquant_pages(quant::PageGeometry g, double fraction, std::uint32_t seed, bool q_norm = false) {
-  using Q = quant::KVQuant<Bits>;
-  std::shared_ptr<const quant::KVQuantTables> tables = test::make_quantizer<Q>(g.head_dim).key.tables;
-  if (q_norm) {
-    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
-    options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
-    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, g.head_dim}, options);
-    calibrator.add(0, test::random_rows(256, g.head_dim, seed, 4, 10.0f), test::random_rows(256, g.head_dim, seed + 1));
-    tables = calibrator.finish();
-  }
   INFO("outlier fraction " << fraction << (q_norm ? ", Q-Norm" : ""));
-  check_device_pages(Q(tables, fraction), g, seed);
+  check_device_pages(quant::KVQuant<Bits>(test::kvquant_tables<Bits>(g.head_dim, q_norm, seed), fraction), g, seed);
 }
 
 }  // namespace

@@ -53,6 +53,18 @@ Quantizer make_quantizer(index_t head_dim, [[maybe_unused]] bool byte_grid_level
   }
 }
 
+/// KVQuant<Bits>'s tables for one head_dim: make_quantizer's, or with Q-Norm (elements rounded to
+/// other levels than they decode to) calibrated on rows drawn from `seed`.
+template <int Bits>
+std::shared_ptr<const quant::KVQuantTables> kvquant_tables(index_t head_dim, bool q_norm, std::uint32_t seed) {
+  if (!q_norm) return make_quantizer<quant::KVQuant<Bits>>(head_dim).key.tables;
+  quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
+  options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
+  quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, head_dim}, options);
+  calibrator.add(0, random_rows(256, head_dim, seed, 4, 10.0f), random_rows(256, head_dim, seed + 1));
+  return calibrator.finish();
+}
+
 /// Pages of one stream built with the codecs' own scalar encoders, exactly as the cache lays
 /// them out (K plane at 0, V plane 64-byte aligned after it).
 template <class Quantizer>

@@ -109,15 +109,8 @@ std::size_t outlier_count(const std::byte* section) {
 template <int Bits>
 void check_kvquant(quant::PageGeometry g, double fraction, bool q_norm, std::uint32_t seed) {
   using Q = quant::KVQuant<Bits>;
-  std::shared_ptr<const quant::KVQuantTables> tables = test::make_quantizer<Q>(g.head_dim).key.tables;
-  if (q_norm) {
-    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
-    options.q_norm = quant::KVQuantCalibrator::Options::QNorm::kAlways;
-    quant::KVQuantCalibrator calibrator(ModelShape{1, 1, 1, g.head_dim}, options);
-    calibrator.add(0, test::random_rows(256, g.head_dim, seed, 4, 10.0f), test::random_rows(256, g.head_dim, seed + 1));
-    tables = calibrator.finish();
-    REQUIRE(!tables->key_encode_codebook.empty());
-  }
+  const std::shared_ptr<const quant::KVQuantTables> tables = test::kvquant_tables<Bits>(g.head_dim, q_norm, seed);
+  REQUIRE(tables->key_encode_codebook.empty() != q_norm);
   const Q q(tables, fraction);
   const auto key_params = q.key.initial_params(0, 0);
   const auto value_params = q.value.initial_params(0, 0);
