@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <vector>
 
@@ -150,6 +151,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             cache.quantizer(), id, layer, query, scale, [&](index_t s) { return cache.codec_params(layer, s); },
             &bounds, test::active_operands<Quantizer::key_codec>(), test::active_operands<Quantizer::value_codec>());
         for (std::size_t i = 0; i < out.size(); ++i) {
+          if (!(std::fabs(out[i] - expected[i]) <= bounds[i / kShape.head_dim])) {
+            std::fprintf(stderr, "attend: element %zu of %zu tokens: %.9g, reference %.9g, bound %.3g\n", i,
+                         static_cast<std::size_t>(model.tokens(id, layer)), out[i], expected[i],
+                         bounds[i / kShape.head_dim]);
+          }
           FUZZ_CHECK(std::fabs(out[i] - expected[i]) <= bounds[i / kShape.head_dim]);
         }
         break;

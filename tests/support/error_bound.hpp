@@ -2,6 +2,8 @@
 // The bound on |kernel - exact attention on the decoded values| for one query head, from the
 // kernels' arithmetic (see kernels/cpu/integer.hpp and q4_0.hpp):
 // - fp32 accumulation in a different order: relative 1e-5 of the largest value;
+// - fp32 scores: each within (d + 6)·2⁻²⁴·max_t Σ_c |q_c·k̂_tc|·scale of the exact one, which
+//   moves the output like δ below (it adds to δ): large scores make this the leading term;
 // - on the AVX-512 integer paths the quantized query moves each score by at most δ: with int16
 //   (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8 per 32-channel block (q4_0)
 //   δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|. Each normalised weight then moves
@@ -349,14 +351,21 @@ inline double attention_error_bound(const DecodedTokens& tokens, const float* q,
   for (const auto& row : tokens.values) {
     for (float x : row) max_value = std::max(max_value, static_cast<double>(std::fabs(x)));
   }
-  double delta = 0.0;
+  double delta = 0.0, magnitude = 0.0;
   std::vector<double> scores;
   for (std::size_t t = 0; t < tokens.keys.size(); ++t) {
-    double s = 0.0;
-    for (int c = 0; c < head_dim; ++c) s += static_cast<double>(q[c]) * tokens.keys[t][c];
+    double s = 0.0, a = 0.0;
+    for (int c = 0; c < head_dim; ++c) {
+      s += static_cast<double>(q[c]) * tokens.keys[t][c];
+      a += std::fabs(static_cast<double>(q[c]) * tokens.keys[t][c]);
+    }
     scores.push_back(s * scale);
+    magnitude = std::max(magnitude, a * std::fabs(scale));
     delta = std::max(delta, score_error_bound(tokens, t, q, head_dim, scale, key_operands));
   }
+  // fp32 scores: the dot product's rounding (at most d products and sums), the scale's, and the
+  // subtraction of the (equally rounded) running maximum, each relative 2⁻²⁴ of at most `magnitude`.
+  delta += (head_dim + 6) * 0x1p-24 * magnitude;
   double bound = 1e-5 * max_value + 1e-6;
   // A δ large enough to overflow e^{2δ} leaves the bound infinite, never NaN: the factors below
   // multiply terms that may be 0 (no value, or pages whose weights all underflowed).
