@@ -151,3 +151,33 @@ TEST_CASE("random operations on evicting caches keep accounting, attention and t
     random_run(cache, 4, 3e-2);
   }
 }
+
+TEST_CASE("the read-back check allows fp32 scores' rounding and no more", "[evict][cache]") {
+  // Two fp16 tokens with scores near 355, 1/256 · scale apart, and opposite values: the exact
+  // output is about 3.5e-4 of a value, so the scores' rounding alone (about 2e-5 of a weight)
+  // is 6 % of it (what the check measured before it allowed for the rounding; fuzz_eviction_ops
+  // can build such a pair).
+  CacheConfig config;
+  config.page_size = 16;
+  KVCache<layout::GQA, quant::Float<half>> cache(kShape, config);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  std::vector<float> keys(2 * row, 0.0f), values(2 * row, 0.0f);
+  std::vector<float> q(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim);
+  for (index_t c = 0; c < kShape.head_dim; ++c) {
+    q[c] = c == 0 ? 1.0f / 16 : 8.0f;
+    keys[c] = keys[row + c] = 7.9375f;
+    values[c] = 4.0f;
+    values[row + c] = -4.0f;
+  }
+  keys[row] -= 1.0f / 16;
+  cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+  std::vector<float> out(q.size());
+  cache.attend(seq, 0, std::span<const float>(q), std::span<float>(out), kScale);
+  AttendReport report;
+  test::every_page_read(cache, seq, 0, report);
+  CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) <= 1e-3);
+  // A token read wrongly moves the output by far more than the allowance (0.071 here: 3.2e-3 of ‖v‖).
+  out[1] += 0.5f;
+  CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) > 1.0);
+}
