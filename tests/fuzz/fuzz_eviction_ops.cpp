@@ -35,9 +35,10 @@ constexpr std::size_t kMaxLive = 5;
 constexpr float kScale = 0.17677669f;
 
 
-/// Relative error allowed against exact attention over the tokens read: one quantization of the
-/// codec (the caches' kernels read the same decoded keys and values as read_back, so what is
-/// left is the scores' float rounding; a generous bound that a token read wrongly still breaks).
+/// Relative error allowed against exact attention over the tokens read, beyond the kernels' error
+/// bound (support/eviction_check.hpp): the kernels read the same decoded keys and values as
+/// read_back, so this is slack for what the bound does not model (the rotation of pre-RoPE keys),
+/// small enough that a token read wrongly still breaks it.
 template <class Cache>
 double tolerance() {
   using Key = typename Cache::quantizer_type::key_codec;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvpack/kvpack.hpp"
+#include "support/error_bound.hpp"
 #include "support/eviction_check.hpp"
 #include "support/random_kv.hpp"
 
@@ -177,7 +178,50 @@ TEST_CASE("the read-back check allows fp32 scores' rounding and no more", "[evic
   AttendReport report;
   test::every_page_read(cache, seq, 0, report);
   CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) <= 1e-3);
-  // A token read wrongly moves the output by far more than the allowance (0.071 here: 3.2e-3 of ‖v‖).
+  // A token read wrongly moves the output by far more than the allowance (0.072 here: 3.2e-3 of ‖v‖).
+  out[1] += 0.5f;
+  CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) > 1.0);
+}
+
+TEST_CASE("the read-back check allows the integer paths' quantized query and no more", "[evict][cache]") {
+  // Two q8_0 tokens on one page with exactly tied scores (8 · 0.1875 · 4 = 8 · 0.125 · 6, on
+  // different channels) and opposite values: the exact output is 0. On AVX-512 the kernel takes
+  // the query as int16 (step 7/32767, from q_0 = 7), which rounds 0.1875 up and 0.125 down, so
+  // the tie breaks and the output is not 0: a relative error without bound unless the check
+  // allows for the quantized query (fuzz_eviction_ops can build such a pair).
+  CacheConfig config;
+  config.page_size = 16;
+  KVCache<layout::GQA, quant::Q8_0> cache(kShape, config);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  std::vector<float> keys(16 * row, 0.0f), values(16 * row, 0.0f);
+  std::vector<float> q(static_cast<std::size_t>(kShape.q_heads) * kShape.head_dim, 0.0f);
+  q[0] = 7.0f;
+  for (index_t c = 1; c <= 8; ++c) {
+    q[c] = 0.1875f;
+    q[c + 15] = 0.125f;
+    keys[c] = 4.0f;
+    keys[row + c + 15] = 6.0f;
+  }
+  keys[24] = keys[row + 24] = 7.9375f;  // both tokens' q8_0 scale 1/16: every key above is decoded exactly
+  for (index_t c = 0; c < kShape.head_dim; ++c) {
+    values[c] = 4.0f;
+    values[row + c] = -4.0f;
+  }
+  cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values));
+  REQUIRE(cache.pages(seq, 0, 0).size() == 1);
+  std::vector<float> out(q.size());
+  cache.attend(seq, 0, std::span<const float>(q), std::span<float>(out), kScale);
+  AttendReport report;
+  test::every_page_read(cache, seq, 0, report);
+  if (test::active_operands<quant::Q8_0::key_codec>() == test::Operands::kInt16) {
+    CHECK(std::fabs(out[1]) > 1e-5);  // the tie broken, as the paragraph above says
+  } else {
+    CHECK(out[1] == 0.0f);  // fp32 scores: every product and sum above is exact, so the tie holds
+  }
+  CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) <= 1e-3);
+  // A token read wrongly moves the output by far more than the allowance (about 0.1 with the int16
+  // query, 5e-4 in fp32).
   out[1] += 0.5f;
   CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) > 1.0);
 }
