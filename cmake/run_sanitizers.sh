@@ -9,7 +9,8 @@
 #      against the reference model) for KVPACK_FUZZ_SECONDS (default 32), fuzz_prefix_ops
 #      (prefix sharing against a twin without it). Second: the other modules, fuzz_kv_dump (the K/V dump loader)
 #      for 10^6 runs (KVPACK_FUZZ_RUNS), fuzz_config (configs and shapes), fuzz_codec_spans (K/V
-#      bit patterns through every codec), fuzz_page_file (any bytes through the page-file reader)
+#      bit patterns through every codec; then again with each lower kernel target the CPU runs
+#      forced by KVPACK_ISA), fuzz_page_file (any bytes through the page-file reader)
 #      and fuzz_eviction_ops (operation sequences on evicting caches). The targets after
 #      cache_ops and kv_dump run for KVPACK_FUZZ_SECONDS / 4 each. Each target's log is in
 #      build-asan/fuzz-<name>.log; its final counts are printed.
@@ -83,21 +84,44 @@ if [[ "$which_builds" != tsan ]]; then
     done
   }
   # Runs fuzz target $1 with libFuzzer's limits $2...; its output goes to build-asan/fuzz-$1.log,
-  # and only the final counts (or, on failure, the end of the log) to this script's output.
+  # and only the final counts (or, on failure, the end of the log) to this script's output. With
+  # KVPACK_ISA set (the kernels it forces), the log's and the counts' names carry it.
   fuzz() {
-    local name=$1 start=$SECONDS status=0
+    local name=$1 label=fuzz_$1${KVPACK_ISA:+_$KVPACK_ISA} start=$SECONDS status=0
     shift
     mkdir -p "build-asan/fuzz-corpus/$name" build-asan/fuzz-artifacts
     "build-asan/tests/fuzz/kvpack_fuzz_$name" "$@" -print_final_stats=1 -artifact_prefix=build-asan/fuzz-artifacts/ \
-      "build-asan/fuzz-corpus/$name" "tests/fuzz/corpus/$name" >"build-asan/fuzz-$name.log" 2>&1 || status=$?
+      "build-asan/fuzz-corpus/$name" "tests/fuzz/corpus/$name" >"build-asan/$label.log" 2>&1 || status=$?
     if ((status != 0)); then
-      tail -n 60 "build-asan/fuzz-$name.log"
-      echo "run_sanitizers: fuzz_$name FAILED (log: build-asan/fuzz-$name.log)"
+      tail -n 60 "build-asan/$label.log"
+      echo "run_sanitizers: $label FAILED (log: build-asan/$label.log)"
       return "$status"
     fi
     grep -E '^(Done|stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb))' \
-      "build-asan/fuzz-$name.log" | sed "s/^/fuzz_$name: /"
-    echo "run_sanitizers: fuzz_$name passed in $((SECONDS - start)) s"
+      "build-asan/$label.log" | sed "s/^/$label: /"
+    echo "run_sanitizers: $label passed in $((SECONDS - start)) s"
+  }
+  # The kernel targets below this CPU's best that it can run (kernels/cpu/isa.hpp's cpu_supports,
+  # from /proc/cpuinfo's flags), best first: fuzz_codec_spans runs each one's kernels too.
+  lower_isas() {
+    local flags
+    flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+    has() {
+      local flag
+      for flag; do [[ "$flags" == *" $flag "* ]] || return 1; done
+    }
+    local isas=()
+    if has avx512f avx512bw avx512dq avx512vl avx512cd avx512_vnni avx2 fma f16c; then isas+=(avx512); fi
+    if has avx2 fma f16c; then isas+=(avx2); fi
+    isas+=(sse2)
+    echo "${isas[@]:1}"
+  }
+  # Runs fuzz_codec_spans with the lower targets' kernels forced, $1 seconds each.
+  fuzz_codec_spans_lower_isas() {
+    local isa
+    for isa in $(lower_isas); do
+      KVPACK_ISA=$isa fuzz codec_spans -max_total_time="$1" || return
+    done
   }
   seconds="${KVPACK_FUZZ_SECONDS:-32}"
   # Two chains of about three minutes, one per core: the kernels module (~110 s) and two fuzzers;
@@ -113,6 +137,7 @@ if [[ "$which_builds" != tsan ]]; then
     ASAN_OPTIONS="$ASAN_OPTIONS:quarantine_size_mb=8" fuzz kv_dump -runs="${KVPACK_FUZZ_RUNS:-1000000}" &&
     fuzz config -max_total_time=$((seconds / 4)) &&
     fuzz codec_spans -max_total_time=$((seconds / 4)) &&
+    fuzz_codec_spans_lower_isas $((seconds / 4)) &&
     fuzz page_file -max_total_time=$((seconds / 4)) &&
     fuzz eviction_ops -max_total_time=$((seconds / 4)) || status=$?
   wait "$first_chain" || status=$?
