@@ -7,13 +7,14 @@
 #      to build-asan/fuzz-corpus/<name>, crashes to build-asan/fuzz-artifacts/), in two chains,
 #      one per core. First: the kernels module, fuzz_cache_ops (random operation sequences
 #      against the reference model) for KVPACK_FUZZ_SECONDS (default 32), fuzz_prefix_ops
-#      (prefix sharing against a twin without it). Second: the other modules, fuzz_kv_dump (the K/V dump loader)
-#      for 10^6 runs (KVPACK_FUZZ_RUNS), fuzz_config (configs and shapes), fuzz_codec_spans (K/V
-#      bit patterns through every codec; then again with each lower kernel target the CPU runs
-#      forced by KVPACK_ISA), fuzz_page_file (any bytes through the page-file reader)
-#      and fuzz_eviction_ops (operation sequences on evicting caches). The targets after
+#      (prefix sharing against a twin without it). Second: the other modules, fuzz_kv_dump (the
+#      K/V dump loader) for 10^6 runs (KVPACK_FUZZ_RUNS), fuzz_config (configs and shapes),
+#      fuzz_codec_spans (K/V bit patterns through every codec; then again with each lower kernel
+#      target the CPU runs forced by KVPACK_ISA), fuzz_page_file (any bytes through the page-file
+#      reader) and fuzz_eviction_ops (operation sequences on evicting caches). The targets after
 #      cache_ops and kv_dump run for KVPACK_FUZZ_SECONDS / 4 each. Each target's log is in
-#      build-asan/fuzz-<name>.log; its final counts are printed.
+#      build-asan/fuzz-<name>.log (fuzz-codec_spans-<isa>.log for a forced target); its final
+#      counts are printed.
 #   2. build-tsan/: clang, -O1 -gline-tables-only, ThreadSanitizer; the "[threads]" tests (the
 #      concurrency stress test, the executor, the pool, the prefix index and prefix sharing in the
 #      cache), built alone as kvpack_test_threads.
@@ -85,38 +86,39 @@ if [[ "$which_builds" != tsan ]]; then
   }
   # Runs fuzz target $1 with libFuzzer's limits $2...; its output goes to build-asan/fuzz-$1.log,
   # and only the final counts (or, on failure, the end of the log) to this script's output. With
-  # KVPACK_ISA set (the kernels it forces), the log's and the counts' names carry it.
+  # KVPACK_ISA set (the precompiled kernels it forces), the log's and the counts' names carry it.
   fuzz() {
-    local name=$1 label=fuzz_$1${KVPACK_ISA:+_$KVPACK_ISA} start=$SECONDS status=0
+    local name=$1 start=$SECONDS status=0
+    local label=fuzz_$1${KVPACK_ISA:+_$KVPACK_ISA} log=build-asan/fuzz-$1${KVPACK_ISA:+-$KVPACK_ISA}.log
     shift
     mkdir -p "build-asan/fuzz-corpus/$name" build-asan/fuzz-artifacts
     "build-asan/tests/fuzz/kvpack_fuzz_$name" "$@" -print_final_stats=1 -artifact_prefix=build-asan/fuzz-artifacts/ \
-      "build-asan/fuzz-corpus/$name" "tests/fuzz/corpus/$name" >"build-asan/$label.log" 2>&1 || status=$?
+      "build-asan/fuzz-corpus/$name" "tests/fuzz/corpus/$name" >"$log" 2>&1 || status=$?
     if ((status != 0)); then
-      tail -n 60 "build-asan/$label.log"
-      echo "run_sanitizers: $label FAILED (log: build-asan/$label.log)"
+      tail -n 60 "$log"
+      echo "run_sanitizers: $label FAILED (log: $log)"
       return "$status"
     fi
-    grep -E '^(Done|stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb))' \
-      "build-asan/$label.log" | sed "s/^/$label: /"
+    grep -E '^(Done|stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb))' "$log" |
+      sed "s/^/$label: /"
     echo "run_sanitizers: $label passed in $((SECONDS - start)) s"
   }
-  # The kernel targets below this CPU's best that it can run (kernels/cpu/isa.hpp's cpu_supports,
-  # from /proc/cpuinfo's flags), best first: fuzz_codec_spans runs each one's kernels too.
-  lower_isas() {
-    local flags
+  # Whether /proc/cpuinfo lists every flag named.
+  cpu_has() {
+    local flags flag
     flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-    has() {
-      local flag
-      for flag; do [[ "$flags" == *" $flag "* ]] || return 1; done
-    }
+    for flag; do [[ "$flags" == *" $flag "* ]] || return 1; done
+  }
+  # The kernel targets below this CPU's best that it can run (as kernels/cpu/isa.hpp's
+  # cpu_supports decides from cpuid), best first.
+  lower_isas() {
     local isas=()
-    if has avx512f avx512bw avx512dq avx512vl avx512cd avx512_vnni avx2 fma f16c; then isas+=(avx512); fi
-    if has avx2 fma f16c; then isas+=(avx2); fi
+    if cpu_has avx512f avx512bw avx512dq avx512vl avx512cd avx512_vnni avx2 fma f16c; then isas+=(avx512); fi
+    if cpu_has avx2 fma f16c; then isas+=(avx2); fi
     isas+=(sse2)
     echo "${isas[@]:1}"
   }
-  # Runs fuzz_codec_spans with the lower targets' kernels forced, $1 seconds each.
+  # Runs fuzz_codec_spans with each lower target's precompiled kernels forced, $1 seconds each.
   fuzz_codec_spans_lower_isas() {
     local isa
     for isa in $(lower_isas); do
@@ -125,7 +127,7 @@ if [[ "$which_builds" != tsan ]]; then
   }
   seconds="${KVPACK_FUZZ_SECONDS:-32}"
   # Two chains of about three minutes, one per core: the kernels module (~110 s) and two fuzzers;
-  # the other modules (~55 s) and five fuzzers.
+  # the other modules (~55 s) and five fuzzers, codec_spans once per kernel target.
   { run_modules kernels && fuzz cache_ops -max_total_time="$seconds" &&
       fuzz prefix_ops -max_total_time=$((seconds / 4)); } &
   first_chain=$!

@@ -10,7 +10,6 @@
 #include <cstring>
 #include <map>
 #include <set>
-#include <utility>
 #include <vector>
 
 #include "kvpack/cache_config.hpp"
@@ -32,8 +31,14 @@ DecodedTokens tokens_read(const Cache& cache, SeqId seq, index_t layer, index_t 
   const auto pages = cache.pages(seq, layer, stream);
   DecodedTokens tokens;
   tokens.page_size = page;
-  // Live slots by position (unique within a stream): which read page, which slot.
-  std::map<std::int32_t, std::pair<int, index_t>> slot_of;
+  // Live slots of the read pages by position (unique within a stream): the page's index among
+  // the read pages (DecodedTokens::page_of), its page, the slot.
+  struct Slot {
+    int read_index;
+    PageId page;
+    index_t slot;
+  };
+  std::map<std::int32_t, Slot> slot_of;
   std::set<std::int32_t> skipped;
   std::vector<float> values(static_cast<std::size_t>(page) * d);
   for (index_t i = 0; i < static_cast<index_t>(pages.size()); ++i) {
@@ -48,7 +53,7 @@ DecodedTokens tokens_read(const Cache& cache, SeqId seq, index_t layer, index_t 
       std::int32_t position = 0;
       std::memcpy(&position, metadata + static_cast<std::size_t>(t) * sizeof(position), sizeof(position));
       if (was_read) {
-        slot_of[position] = {static_cast<int>(tokens.page_max_value.size()), t};
+        slot_of[position] = {static_cast<int>(tokens.page_max_value.size()), id, t};
       } else {
         skipped.insert(position);
       }
@@ -75,10 +80,9 @@ DecodedTokens tokens_read(const Cache& cache, SeqId seq, index_t layer, index_t 
       tokens.turbo_keys.emplace_back();
       continue;
     }
-    const auto [page_index, t] = slot->second;
-    tokens.page_of.push_back(page_index);
-    const PageId id = pages[static_cast<std::size_t>(read[static_cast<std::size_t>(page_index)])];
-    add_key_codes(quantizer.key, key_params, geometry, cache.pool().payload(id), static_cast<int>(t), tokens);
+    tokens.page_of.push_back(slot->second.read_index);
+    add_key_codes(quantizer.key, key_params, geometry, cache.pool().payload(slot->second.page),
+                  static_cast<int>(slot->second.slot), tokens);
   }
   return tokens;
 }

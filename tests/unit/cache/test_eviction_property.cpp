@@ -186,9 +186,10 @@ TEST_CASE("the read-back check allows fp32 scores' rounding and no more", "[evic
 TEST_CASE("the read-back check allows the integer paths' quantized query and no more", "[evict][cache]") {
   // Two q8_0 tokens on one page with exactly tied scores (8 · 0.1875 · 4 = 8 · 0.125 · 6, on
   // different channels) and opposite values: the exact output is 0. On AVX-512 the kernel takes
-  // the query as int16 (step 7/32767, from q_0 = 7), which rounds 0.1875 up and 0.125 down, so
-  // the tie breaks and the output is not 0: a relative error without bound unless the check
-  // allows for the quantized query (fuzz_eviction_ops can build such a pair).
+  // the scaled query as int16 (step 7·scale/32767, from q_0 = 7), which rounds 0.1875 up and
+  // 0.125 down, so the tie breaks (integer sums 8·878·64 against 8·585·96) and the output is not
+  // 0: a relative error without bound unless the check allows for the quantized query
+  // (fuzz_eviction_ops can build such a pair).
   CacheConfig config;
   config.page_size = 16;
   KVCache<layout::GQA, quant::Q8_0> cache(kShape, config);
@@ -217,7 +218,10 @@ TEST_CASE("the read-back check allows the integer paths' quantized query and no 
   if (test::active_operands<quant::Q8_0::key_codec>() == test::Operands::kInt16) {
     CHECK(std::fabs(out[1]) > 1e-5);  // the tie broken, as the paragraph above says
   } else {
-    CHECK(out[1] == 0.0f);  // fp32 scores: every product and sum above is exact, so the tie holds
+    // fp32 scores: each of the eight terms is the same float for both tokens (0.75, or
+    // fl(0.75·scale) with the query scaled first: 4·fl(0.1875·scale) = fl(6·0.125·scale)), so the
+    // tie holds.
+    CHECK(out[1] == 0.0f);
   }
   CHECK(test::error_against_read_back(cache, seq, 0, q, out, kScale, report) <= 1e-3);
   // A token read wrongly moves the output by far more than the allowance (about 0.1 with the int16
