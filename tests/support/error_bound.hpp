@@ -5,7 +5,8 @@
 // - fp32 scores: each within (d + 6)·2⁻²⁴·max_t Σ_c |q_c·k̂_tc|·scale of the exact one, which
 //   moves the output like δ below (it adds to δ): large scores make this the leading term;
 // - on the AVX-512 integer paths the quantized query moves each score by at most δ: with int16
-//   (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8 per 32-channel block (q4_0)
+//   (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8 per 32-channel block (q4_0,
+//   on AVX2 too)
 //   δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|. Each normalised weight then moves
 //   by a factor within e^{±2δ}: output error ≤ 2(e^{2δ} - 1)·max|v̂|;
 // - the quantized weights: each off by ≤ half a step, the step being (page max of p) · (page
@@ -42,6 +43,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -98,11 +100,15 @@ struct IsTurboSignKeys<quant::TurboCodec<quant::TurboVariant::kProd, Plane::kKey
 template <>
 struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
-/// The operands the kernels use for a codec's plane: on AVX-512 with VNNI (`vnni`), int16 for
-/// the 8-bit integer codecs and int8 for q4_0; fp32 everywhere else.
+/// The operands the kernels of target `isa` (kernels::cpu::isa_name) use for a codec's plane: on
+/// AVX-512 with VNNI, int16 for the 8-bit integer codecs and int8 for q4_0 and the listed
+/// codecs' own forms; on AVX2 int8 for q4_0 (kernels/cpu/q4_0_avx2.hpp); fp32 everywhere else.
 template <class Codec>
-Operands operands(bool vnni) {
-  if (!vnni) return Operands::kFloat;
+Operands operands(std::string_view isa) {
+  if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) {
+    if (isa == "avx2") return Operands::kInt8;
+  }
+  if (isa != "avx512") return Operands::kFloat;
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
   if constexpr (IsKVQuantByteLevels<Codec>::value) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt16Levels : Operands::kInt8Codes;
@@ -122,7 +128,7 @@ Operands operands(bool vnni) {
 /// The same for the kernels attend() runs on this CPU.
 template <class Codec>
 Operands active_operands() {
-  return operands<Codec>(dispatch::active_cpu_isa() == "avx512");
+  return operands<Codec>(dispatch::active_cpu_isa());
 }
 
 /// Every live token a head attends over: decoded key and value, and its page (-1: the tail).

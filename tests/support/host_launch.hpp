@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "kvpack/kernels/attend_paged.hpp"
@@ -104,14 +105,14 @@ struct HostLaunch {
   }
 
   /// Each stream of `actual` ([streams][group][head_dim]) within support/error_bound.hpp's bound
-  /// of the scalar reference; `vnni_path` for the AVX-512 integer kernels' bound.
-  void check_outputs(const std::vector<float>& actual, bool vnni_path) const {
+  /// of the scalar reference, for the operands of target `isa`'s kernels ("" for the device's, fp32).
+  void check_outputs(const std::vector<float>& actual, std::string_view isa) const {
     for (std::size_t s = 0; s < fixtures.size(); ++s) {
       const auto& f = *fixtures[s];
       std::vector<float> expected(static_cast<std::size_t>(group) * head_dim);
       kernels::reference::attend_stream(f.quantizer.key, f.quantizer.value, f.run(), f.key_params, f.value_params,
                                         f.tail(), stream_queries[s].data(), group, expected.data());
-      const double bound = test::error_bound(f, stream_queries[s], group, vnni_path, nullptr);
+      const double bound = test::error_bound(f, stream_queries[s], group, isa, nullptr);
       double worst = 0.0;
       for (std::size_t i = 0; i < expected.size(); ++i) {
         const double error = std::fabs(static_cast<double>(actual[s * expected.size() + i]) - expected[i]);

@@ -9,6 +9,7 @@
 #include <memory>
 #include <new>
 #include <random>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -207,15 +208,15 @@ test::DecodedTokens decoded_tokens(const Fixture& f, const RopeSpec* rope) {
 
 /// The largest bound of support/error_bound.hpp over the group's heads.
 template <class Fixture>
-double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, bool vnni_path,
+double error_bound(const Fixture& f, const std::vector<float>& queries, index_t group, std::string_view isa,
                    const RopeSpec* rope) {
   const index_t d = f.geometry.head_dim;
   const test::DecodedTokens tokens = decoded_tokens(f, rope);
   double worst = 0.0;
   for (index_t h = 0; h < group; ++h) {
     const float* q = &queries[static_cast<std::size_t>(h) * d];
-    double bound = test::attention_error_bound(tokens, q, d, 1.0, test::operands<typename Fixture::KeyCodec>(vnni_path),
-                                               test::operands<typename Fixture::ValueCodec>(vnni_path));
+    double bound = test::attention_error_bound(tokens, q, d, 1.0, test::operands<typename Fixture::KeyCodec>(isa),
+                                               test::operands<typename Fixture::ValueCodec>(isa));
     if (rope != nullptr) {
       // The float rotation: cos and sin from two rounded table entries (a few ulps), times the
       // pair, moves each score by at most δ = Σ_c |q_c| · 16 ulp · (|k_c| + |k_partner|);

@@ -68,8 +68,8 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
     kernels::attend_stream<KeyCodec, ValueCodec>(f.run(), f.key_params, f.value_params, f.tail(), queries.data(),
                                                  group, out.data(), workspace, kernel_set,
                                                  rope != nullptr ? &key_rope : nullptr, check_scores ? &record : nullptr);
-    const bool vnni_path = std::is_same_v<Arch, xsimd::avx512bw>;
-    const double bound = error_bound(f, queries, group, vnni_path, rope);
+    const std::string_view isa = kernels::cpu::isa_name<Arch>();
+    const double bound = error_bound(f, queries, group, isa, rope);
     // INFO, not a section: Catch2 runs a section of a given name once per test case, so the calls
     // that differ only in their data would skip their checks.
     INFO("isa " << kernels::cpu::isa_name<Arch>() << " P=" << page_size << " d=" << head_dim
@@ -102,7 +102,7 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
             magnitude += std::fabs(q[c]) * (std::fabs(tokens.keys[token][c]) + (ranges.empty() ? 0.0 : 2.0 * ranges[c]));
           }
           const double bound =
-              test::score_error_bound(tokens, token, q, head_dim, 1.0, test::operands<KeyCodec>(vnni_path)) +
+              test::score_error_bound(tokens, token, q, head_dim, 1.0, test::operands<KeyCodec>(isa)) +
               1e-5 * magnitude + 1e-6;
           INFO("score of head " << h << " slot " << slot << " bound " << bound);
           CHECK(std::fabs(scores[static_cast<std::size_t>(h) * slots + slot] - exact) <= bound);
@@ -159,6 +159,26 @@ TEMPLATE_TEST_CASE("every ISA matches the reference on adversarial rows", "[kern
   auto queries = test::random_rows(group, head_dim, 33);
   queries[0] = 0.0f;
   check_all_isas<TestType>(page_size, head_dim, pages, tail, group, keys, values, queries, false);
+}
+
+// The output's bound lets a score move by the query's whole rounding in the exponent, which at
+// these magnitudes allows almost any output; each score's own bound (the rounding alone) is
+// what catches a key kernel's slip, such as a wrong code offset.
+TEMPLATE_TEST_CASE("every ISA scores integer codes within the quantized query's bound", "[kernels][cpu]", quant::Int8,
+                   quant::Q8_0, quant::Q4_0) {
+  struct Case {
+    index_t page_size, head_dim, pages, tail, group;
+  };
+  const Case cases[] = {{32, 128, 6, 0, 4}, {16, 64, 5, 3, 1}, {48, 96, 3, 5, 3}, {64, 256, 2, 0, 8}};
+  for (const Case& c : cases) {
+    const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
+    const auto keys = test::random_rows(rows, c.head_dim, 41, 4, 10.0f);
+    const auto values = test::random_rows(rows, c.head_dim, 42);
+    auto queries = test::random_rows(c.group, c.head_dim, 43, 4, 3.0f);
+    for (float& q : queries) q /= std::sqrt(static_cast<float>(c.head_dim));
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, queries, c.pages > 2,
+                             nullptr, false, true);
+  }
 }
 
 TEMPLATE_TEST_CASE("element-wise formats propagate NaN and Inf like the reference", "[kernels][cpu]",

@@ -86,6 +86,27 @@ KVPACK_ALWAYS_INLINE void scale_weights(const float* weights, index_t weight_str
   }
 }
 
+/// One page's attention weights times its value scales, quantized per (head, block) to integers
+/// of type T (int16 for 8-bit codes, int8 for 4-bit codes): q[(h·blocks + b)·P + t] ≈
+/// w_t · scale(t, b) / step[h·blocks + b].
+template <class T>
+struct QuantizedWeights {
+  T* values;            // [group][blocks][page_size]
+  float* step;          // [group][blocks]
+  std::int32_t* sums;   // [group][blocks]: Σ_t q (q4_0's -8 offset)
+  float* unit_scales;   // [blocks][page_size]: scale(t, b) / max_t |scale(t, b)| · kMax
+};
+
+/// Carves QuantizedWeights out of a kernel's scratch floats.
+template <class T>
+KVPACK_ALWAYS_INLINE QuantizedWeights<T> weights_in_scratch(float* scratch, index_t group, index_t blocks, index_t page_size) noexcept {
+  const std::size_t values = static_cast<std::size_t>(group) * blocks * page_size;
+  const std::size_t value_floats = (values * sizeof(T) + sizeof(float) - 1) / sizeof(float);
+  float* after = scratch + value_floats;
+  return {reinterpret_cast<T*>(scratch), after, reinterpret_cast<std::int32_t*>(after + group * blocks),
+          after + 2 * group * blocks};
+}
+
 #if KVPACK_KERNELS_HAVE_VNNI
 
 /// The page loop of the AVX-512 integer key kernels: for every page and block of query heads,
@@ -147,17 +168,6 @@ KVPACK_ALWAYS_INLINE __m512i dot_quads(__m512i acc, __m512i unsigned_a, __m512i 
 #endif
 }
 
-/// One page's attention weights times its value scales, quantized per (head, block) to integers
-/// of type T (int16 for 8-bit codes, int8 for 4-bit codes): q[(h·blocks + b)·P + t] ≈
-/// w_t · scale(t, b) / step[h·blocks + b].
-template <class T>
-struct QuantizedWeights {
-  T* values;            // [group][blocks][page_size]
-  float* step;          // [group][blocks]
-  std::int32_t* sums;   // [group][blocks]: Σ_t q (q4_0's -8 offset)
-  float* unit_scales;   // [blocks][page_size]: scale(t, b) / max_t |scale(t, b)| · kMax
-};
-
 /// w_t · scale(t, b) as T, per head and block, with the step p_max(h) · s_max(b) / kMax (kMax the
 /// largest |T| used): the scales are normalised once per page for all heads, so each (head,
 /// block) costs one multiply, one conversion and one pack per 16 tokens. The step bounds every
@@ -208,16 +218,6 @@ void quantize_weights(xsimd::avx512bw, const float* weights, index_t weight_stri
       out.sums[h * blocks + b] = _mm512_reduce_add_epi32(sum);
     }
   }
-}
-
-/// Carves QuantizedWeights out of a kernel's scratch floats.
-template <class T>
-KVPACK_ALWAYS_INLINE QuantizedWeights<T> weights_in_scratch(float* scratch, index_t group, index_t blocks, index_t page_size) noexcept {
-  const std::size_t values = static_cast<std::size_t>(group) * blocks * page_size;
-  const std::size_t value_floats = (values * sizeof(T) + sizeof(float) - 1) / sizeof(float);
-  float* after = scratch + value_floats;
-  return {reinterpret_cast<T*>(scratch), after, reinterpret_cast<std::int32_t*>(after + group * blocks),
-          after + 2 * group * blocks};
 }
 
 #endif  // KVPACK_KERNELS_HAVE_VNNI

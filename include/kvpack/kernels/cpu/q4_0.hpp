@@ -12,7 +12,9 @@
 ///   element moves by at most 1/254 of its block's largest, well inside q4_0's own key error of
 ///   up to 1/16 of a block's largest), and each page's weights times the value scales to int8 per
 ///   head and block (each weight moves by at most 1/254 of that page's largest).
-/// - every other target: codes widened to fp32 and FMAs on (token, quad) lanes.
+/// - AVX2 (q4_0_avx2.hpp): the same int8 operands on `vpmaddubsw`.
+/// - every other target, and page sizes the integer tiles do not divide: codes widened to fp32
+///   and FMAs on (token, quad) lanes.
 
 #include <algorithm>
 #include <cmath>
@@ -20,26 +22,11 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer_common.hpp"
+#include "kvpack/kernels/cpu/q4_0_avx2.hpp"
+#include "kvpack/kernels/cpu/q4_0_rows.hpp"
 #include "kvpack/quant/q4_0.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
-
-namespace q4 {
-
-using KeyCodec = quant::Q4_0Codec<Plane::kKey>;
-using ValueCodec = quant::Q4_0Codec<Plane::kValue>;
-
-/// Bytes of a (block, quad) key row for 16 tokens, and of a (token quad, block) value row.
-inline constexpr std::size_t kRowBytes = 64;
-
-KVPACK_ALWAYS_INLINE std::size_t key_row_offset(index_t page_size, index_t block, index_t quad, index_t t0) noexcept {
-  return ((static_cast<std::size_t>(block) * 4 + quad) * page_size + t0) * 4;
-}
-KVPACK_ALWAYS_INLINE std::size_t value_row_offset(index_t blocks, index_t token_quad, index_t block) noexcept {
-  return (static_cast<std::size_t>(token_quad) * blocks + block) * kRowBytes;
-}
-
-}  // namespace q4
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: fp32 FMAs on (token, quad) lanes.
@@ -314,8 +301,12 @@ template <class A>
 void score_keys(A arch, std::type_identity<q4::KeyCodec>, const ScoreArgs<quant::NoParams>& args) noexcept {
 #if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
-    score_q4_0_vnni(arch, args);
-    return;
+    if (args.run.page_size % 16 == 0) return score_q4_0_vnni(arch, args);
+  }
+#endif
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+  if constexpr (std::is_same_v<A, avx2_arch>) {
+    if (args.run.page_size % 16 == 0) return score_q4_0_avx2(arch, args);
   }
 #endif
   score_q4_0_fma(arch, args);
@@ -325,8 +316,12 @@ template <class A>
 void accumulate_values(A arch, std::type_identity<q4::ValueCodec>, const AccumulateArgs<quant::NoParams>& args) noexcept {
 #if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
-    accumulate_q4_0_vnni(arch, args);
-    return;
+    if (args.run.page_size % 16 == 0) return accumulate_q4_0_vnni(arch, args);
+  }
+#endif
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+  if constexpr (std::is_same_v<A, avx2_arch>) {
+    if (args.run.page_size % 16 == 0) return accumulate_q4_0_avx2(arch, args);
   }
 #endif
   accumulate_q4_0_fma(arch, args);
