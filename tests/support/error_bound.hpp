@@ -4,10 +4,10 @@
 // - fp32 accumulation in a different order: relative 1e-5 of the largest value;
 // - fp32 scores: each within (d + 6)·2⁻²⁴·max_t Σ_c |q_c·k̂_tc|·scale of the exact one, which
 //   moves the output like δ below (it adds to δ): large scores make this the leading term;
-// - on the AVX-512 integer paths the quantized query moves each score by at most δ: with int16
-//   (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8 per 32-channel block (q4_0,
-//   on AVX2 too)
-//   δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|. Each normalised weight then moves
+// - on the integer paths (AVX-512; AVX2 for int8, q8_0 and q4_0) the quantized query moves each
+//   score by at most δ: with int16 (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8
+//   per 32-channel block (q4_0) δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|.
+//   Each normalised weight then moves
 //   by a factor within e^{±2δ}: output error ≤ 2(e^{2δ} - 1)·max|v̂|;
 // - the quantized weights: each off by ≤ half a step, the step being (page max of p) · (page
 //   max of the value scale) / kMax, kMax = 32767 (int16) or 127 (int8). Summed over a page of P
@@ -101,12 +101,15 @@ template <>
 struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
 /// The operands the kernels of target `isa` (kernels::cpu::isa_name) use for a codec's plane: on
-/// AVX-512 with VNNI, int16 for the 8-bit integer codecs and int8 for q4_0 and the listed
-/// codecs' own forms; on AVX2 int8 for q4_0 (kernels/cpu/q4_0_avx2.hpp); fp32 everywhere else.
+/// AVX-512 with VNNI and on AVX2, int16 for the 8-bit integer codecs and int8 for q4_0; on
+/// AVX-512 the listed codecs' own forms too; fp32 everywhere else.
 template <class Codec>
 Operands operands(std::string_view isa) {
-  if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) {
-    if (isa == "avx2") return Operands::kInt8;
+  if (isa != "avx512" && isa != "avx2") return Operands::kFloat;
+  if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
+  if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
+                std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
+    return Operands::kInt16;
   }
   if (isa != "avx512") return Operands::kFloat;
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
@@ -117,11 +120,6 @@ Operands operands(std::string_view isa) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt8Levels : Operands::kInt8Codes;
   }
   if constexpr (IsTurboSignKeys<Codec>::value) return Operands::kInt8Levels;
-  if constexpr (std::is_same_v<Codec, quant::Q4_0Codec<Codec::kPlane>>) return Operands::kInt8;
-  if constexpr (std::is_same_v<Codec, quant::Q8_0Codec<Codec::kPlane>> ||
-                std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
-    return Operands::kInt16;
-  }
   return Operands::kFloat;
 }
 

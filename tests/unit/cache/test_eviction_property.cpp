@@ -185,8 +185,8 @@ TEST_CASE("the read-back check allows fp32 scores' rounding and no more", "[evic
 
 TEST_CASE("the read-back check allows the integer paths' quantized query and no more", "[evict][cache]") {
   // Two q8_0 tokens on one page with exactly tied scores (8 · 0.1875 · 4 = 8 · 0.125 · 6, on
-  // different channels) and opposite values: the exact output is 0. On AVX-512 the kernel takes
-  // the scaled query as int16 (step 7·scale/32767, from q_0 = 7), which rounds 0.1875 up and
+  // different channels) and opposite values: the exact output is 0. On AVX-512 and AVX2 the kernel
+  // takes the scaled query as int16 (step 7·scale/32767, from q_0 = 7), which rounds 0.1875 up and
   // 0.125 down, so the tie breaks (integer sums 8·878·64 against 8·585·96) and the output is not
   // 0: a relative error without bound unless the check allows for the quantized query
   // (fuzz_eviction_ops can build such a pair).

@@ -10,8 +10,9 @@
 ///   and block (see quantize_weights); int32 sums are scaled back once per block. An fp32-FMA
 ///   kernel needs more multiply-adds per second than the core has to read 8-bit codes at DRAM
 ///   speed (DESIGN.md §4); this path does not.
-/// - every other target: codes widened to fp32 and FMAs on (token, pair) lanes; the two lanes of
-///   a pair are added at the end of a tile.
+/// - AVX2 (integer_pairs_avx2.hpp): the same int16 operands on `vpmaddwd`.
+/// - every other target, and page sizes the integer tiles do not divide: codes widened to fp32
+///   and FMAs on (token, pair) lanes; the two lanes of a pair are added at the end of a tile.
 /// Scores: s_t = Σ_b scale(t,b) · Σ_{c∈b} q_c · code(t,c).
 /// Values: acc_c += Σ_t (w_t · scale(t,b(c))) · code(t,c).
 
@@ -21,16 +22,12 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/integer_common.hpp"
+#include "kvpack/kernels/cpu/integer_pairs_avx2.hpp"
+#include "kvpack/kernels/cpu/pair_tiles.hpp"
 #include "kvpack/quant/int8.hpp"
 #include "kvpack/quant/q8_0.hpp"
 
 namespace kvpack::inline v0::kernels::cpu {
-
-/// Channels that share one fp16 scale: the whole head for int8, 32 for q8_0.
-template <class Codec>
-constexpr index_t scale_block(index_t head_dim) noexcept {
-  return std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>> ? head_dim : 32;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: fp32 FMAs on (token, pair) lanes.
@@ -132,17 +129,6 @@ void accumulate_pairs_fma(A, const AccumulateArgs<quant::NoParams>& args) noexce
 // AVX-512 VNNI path: int16 × int16 → int32 dot products (vpdpwssd).
 // ---------------------------------------------------------------------------------------------
 #if KVPACK_KERNELS_HAVE_VNNI
-
-/// Largest |int16| used: symmetric, so negation never overflows.
-inline constexpr float kInt16Max = 32767.0f;
-/// Channels summed in int32 before converting: 256 · 32767 · 127 < 2^31.
-inline constexpr index_t kMaxInt32Channels = 256;
-
-/// The query as int16 pairs, per head: pairs[h][c/2] = (q16[c], q16[c+1]); value = q16 · scale[h].
-struct Int16Query {
-  std::int32_t* pairs;  // [group][head_dim / 2]
-  float* scale;         // [group]
-};
 
 // The xsimd::avx512bw parameter tags the symbol with its instruction set (STYLE.md §5.2).
 inline Int16Query quantize_query_int16(xsimd::avx512bw, const float* q, index_t group, index_t head_dim,
@@ -309,8 +295,12 @@ template <class Codec, class A>
 void score_pairs(A arch, const ScoreArgs<quant::NoParams>& args) noexcept {
 #if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
-    score_pairs_vnni<Codec>(arch, args);
-    return;
+    if (args.run.page_size % 16 == 0) return score_pairs_vnni<Codec>(arch, args);
+  }
+#endif
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+  if constexpr (std::is_same_v<A, avx2_arch>) {
+    if (args.run.page_size % 16 == 0) return score_pairs_avx2<Codec>(arch, args);
   }
 #endif
   score_pairs_fma<Codec>(arch, args);
@@ -318,13 +308,15 @@ void score_pairs(A arch, const ScoreArgs<quant::NoParams>& args) noexcept {
 
 template <class Codec, class A>
 void accumulate_pairs(A arch, const AccumulateArgs<quant::NoParams>& args) noexcept {
-#if KVPACK_KERNELS_HAVE_VNNI
   // Value tiles are 16 channels wide; narrower heads (int8 allows head_dim 8) take the FMA path.
+#if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
-    if (args.run.head_dim % 16 == 0) {
-      accumulate_pairs_vnni<Codec>(arch, args);
-      return;
-    }
+    if (args.run.head_dim % 16 == 0 && args.run.page_size % 16 == 0) return accumulate_pairs_vnni<Codec>(arch, args);
+  }
+#endif
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+  if constexpr (std::is_same_v<A, avx2_arch>) {
+    if (args.run.head_dim % 16 == 0 && args.run.page_size % 16 == 0) return accumulate_pairs_avx2<Codec>(arch, args);
   }
 #endif
   accumulate_pairs_fma<Codec>(arch, args);

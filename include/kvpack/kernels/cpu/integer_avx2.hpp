@@ -1,13 +1,14 @@
 #pragma once
 /// \file integer_avx2.hpp
-/// \brief What the AVX2 integer kernels (q4_0_avx2.hpp) share: lane reductions, fp16 scale
-///        rows, the u8·s8 dot product without VNNI, and a page's weights quantized to int8.
+/// \brief What the AVX2 integer kernels (q4_0_avx2.hpp, integer_pairs_avx2.hpp) share: lane
+///        reductions, fp16 scale rows, and a page's weights quantized to int8 or int16.
 ///
 /// AVX2 has no vpdpbusd, but `vpmaddubsw` multiplies 32 u8·s8 pairs into 16 int16 sums of two
 /// and `vpmaddwd` against ones widens those to 8 int32 sums of four: 32 products in two
 /// instructions, where the fp32 path spends a widening, a conversion and an FMA on 8.
 /// vpmaddubsw saturates its int16 sums, so every caller bounds them (4-bit codes ≤ 15 times
 /// |int8| ≤ 127: a pair sums to at most 3810, and up to eight such sums fit in an int16).
+/// 8-bit codes take `vpmaddwd` on int16 operands instead, as vpdpwssd does on AVX-512.
 
 #include <cstdint>
 #include <type_traits>
@@ -71,21 +72,27 @@ KVPACK_ALWAYS_INLINE void split_nibbles(const std::uint8_t* p, __m256i& low, __m
   high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
 }
 
+/// Eight int32 lanes as int16 with signed saturation (vpmovsdw's result).
+KVPACK_ALWAYS_INLINE __m128i saturate_to_int16(__m256i x) noexcept {
+  return _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+}
+
 /// Eight int32 lanes as int8 with signed saturation (vpmovsdb's result), in the low 8 bytes.
 KVPACK_ALWAYS_INLINE __m128i saturate_to_int8(__m256i x) noexcept {
-  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  const __m128i words = saturate_to_int16(x);
   return _mm_packs_epi16(words, words);
 }
 
 }  // namespace avx2
 
-/// QuantizedWeights<std::int8_t> on AVX2, with the AVX-512 path's arithmetic (integer_common.hpp):
-/// the same steps, the same rounding (vcvtps2dq, nearest even), the same saturation, so both
-/// paths give every weight the same integer.
-inline void quantize_weights(avx2_arch, const float* weights, index_t weight_stride, index_t group,
-                             const std::byte* plane, std::size_t codes_bytes, index_t page_size, index_t blocks,
-                             const QuantizedWeights<std::int8_t>& out) noexcept {
-  constexpr float kMax = 127.0f;
+/// QuantizedWeights on AVX2, with the AVX-512 path's arithmetic (integer_common.hpp): the same
+/// steps, the same rounding (vcvtps2dq, nearest even), the same saturation, so both paths give
+/// every weight the same integer.
+template <class T>
+void quantize_weights(avx2_arch, const float* weights, index_t weight_stride, index_t group, const std::byte* plane,
+                      std::size_t codes_bytes, index_t page_size, index_t blocks,
+                      const QuantizedWeights<T>& out) noexcept {
+  constexpr float kMax = std::is_same_v<T, std::int16_t> ? 32767.0f : 127.0f;
   float scale_max[64];  // blocks <= head_dim / 32 <= 64 (codecs cap head_dim at 2048)
   for (index_t b = 0; b < blocks; ++b) {
     __m256 lanes = _mm256_setzero_ps();
@@ -109,14 +116,18 @@ inline void quantize_weights(avx2_arch, const float* weights, index_t weight_str
     const __m256 p_normalise = _mm256_set1_ps(p_max > 0.0f ? 1.0f / p_max : 0.0f);
     for (index_t b = 0; b < blocks; ++b) {
       out.step[h * blocks + b] = p_max * scale_max[b] / kMax;
-      std::int8_t* q = out.values + (static_cast<std::size_t>(h) * blocks + b) * page_size;
+      T* q = out.values + (static_cast<std::size_t>(h) * blocks + b) * page_size;
       const float* unit = out.unit_scales + static_cast<std::size_t>(b) * page_size;
       __m256i sum = _mm256_setzero_si256();
       for (index_t t = 0; t < page_size; t += 8) {
         const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(w + t), p_normalise);
         const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(p, _mm256_loadu_ps(unit + t)));
         sum = _mm256_add_epi32(sum, qi);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + t), avx2::saturate_to_int8(qi));
+        if constexpr (std::is_same_v<T, std::int16_t>) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + t), avx2::saturate_to_int16(qi));
+        } else {
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + t), avx2::saturate_to_int8(qi));
+        }
       }
       out.sums[h * blocks + b] = avx2::reduce_add(sum);
     }
