@@ -118,7 +118,7 @@ void check_device_launch(index_t page_size, index_t head_dim, index_t group, con
   kernels::attend_paged<typename Quantizer::key_codec, typename Quantizer::value_codec>(device.args(host),
                                                                                         host.max_pages, workspace);
   cuda_check(cudaDeviceSynchronize(), "attend_paged");
-  host.check_outputs(device.out.download(host.out.size()), "");
+  host.check_outputs(device.out.download(host.out.size()), test::kCudaKernels);
 }
 
 }  // namespace

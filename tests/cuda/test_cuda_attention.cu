@@ -195,8 +195,9 @@ bool check_against_reference(index_t page_size, index_t head_dim, index_t group,
   const DeviceRun<Quantizer> run(page_size, head_dim, group, shapes, seed);
   for (std::size_t s = 0; s < shapes.size(); ++s) {
     const std::vector<float> expected = run.reference(s);
-    const double bound = test::error_bound(*run.fixtures[s], run.data[s].queries, group, false, nullptr) +
-                         rotation_error_bound(*run.fixtures[s], run.data[s].queries, group);
+    const double bound =
+        test::error_bound(*run.fixtures[s], run.data[s].queries, group, test::kCudaKernels, nullptr) +
+        rotation_error_bound(*run.fixtures[s], run.data[s].queries, group);
     double worst = 0.0;
     for (std::size_t i = 0; i < expected.size(); ++i) {
       const double error = std::fabs(static_cast<double>(run.output(s)[i]) - expected[i]);
@@ -306,7 +307,7 @@ TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {
   });
   for (index_t i = 0; i < 2 * 64; ++i) CHECK(std::isnan(run.output(0)[i]));
   const std::vector<float> expected = run.reference(1);
-  const double bound = test::error_bound(*run.fixtures[1], run.data[1].queries, 2, false, nullptr);
+  const double bound = test::error_bound(*run.fixtures[1], run.data[1].queries, 2, test::kCudaKernels, nullptr);
   for (std::size_t i = 0; i < expected.size(); ++i) CHECK(std::fabs(run.output(1)[i] - expected[i]) <= bound);
 }
 

@@ -6,9 +6,8 @@
 //   moves the output like δ below (it adds to δ): large scores make this the leading term;
 // - on the integer paths (AVX-512; AVX2 for int8, q8_0 and q4_0) the quantized query moves each
 //   score by at most δ: with int16 (8-bit codes) δ = max|q|/65534 · max_t Σ_c |k̂_tc|; with int8
-//   per 32-channel block (q4_0) δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|.
-//   Each normalised weight then moves
-//   by a factor within e^{±2δ}: output error ≤ 2(e^{2δ} - 1)·max|v̂|;
+//   per 32-channel block (q4_0) δ = max_t Σ_b (max_{c∈b} |q_c| / 254) · Σ_{c∈b} |k̂_tc|. Each
+//   normalised weight then moves by a factor within e^{±2δ}: output error ≤ 2(e^{2δ} - 1)·max|v̂|;
 // - the quantized weights: each off by ≤ half a step, the step being (page max of p) · (page
 //   max of the value scale) / kMax, kMax = 32767 (int16) or 127 (int8). Summed over a page of P
 //   slots, over pages, and divided by l = Σ p: Σ_pages P · (0.5/kMax) · max_p(page) ·
@@ -101,8 +100,10 @@ template <>
 struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
 /// The operands the kernels of target `isa` (kernels::cpu::isa_name) use for a codec's plane: on
-/// AVX-512 with VNNI and on AVX2, int16 for the 8-bit integer codecs and int8 for q4_0; on
-/// AVX-512 the listed codecs' own forms too; fp32 everywhere else.
+/// AVX-512 with VNNI and on AVX2, int16 for int8 and q8_0 and int8 for q4_0; on AVX-512 also
+/// KIVI's, KVQuant's and TurboQuant's forms above; fp32 everywhere else. For pages of a multiple
+/// of 16 tokens (every cache's): other page sizes, and int8 values at head_dim 8, take the fp32
+/// path, whose bound the integer one contains.
 template <class Codec>
 Operands operands(std::string_view isa) {
   if (isa != "avx512" && isa != "avx2") return Operands::kFloat;
@@ -122,6 +123,9 @@ Operands operands(std::string_view isa) {
   if constexpr (IsTurboSignKeys<Codec>::value) return Operands::kInt8Levels;
   return Operands::kFloat;
 }
+
+/// The CUDA kernels' name for operands(): they compute in fp32.
+inline constexpr std::string_view kCudaKernels = "cuda";
 
 /// The same for the kernels attend() runs on this CPU.
 template <class Codec>

@@ -105,7 +105,8 @@ struct HostLaunch {
   }
 
   /// Each stream of `actual` ([streams][group][head_dim]) within support/error_bound.hpp's bound
-  /// of the scalar reference, for the operands of target `isa`'s kernels ("" for the device's, fp32).
+  /// of the scalar reference, for the operands of target `isa`'s kernels (test::kCudaKernels for
+  /// the device's).
   void check_outputs(const std::vector<float>& actual, std::string_view isa) const {
     for (std::size_t s = 0; s < fixtures.size(); ++s) {
       const auto& f = *fixtures[s];

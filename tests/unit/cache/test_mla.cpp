@@ -150,8 +150,8 @@ void check_latent_kernel_on_every_isa(index_t q_heads, index_t latent, index_t r
   }
 
   // Per head, the bound for fp32 value sums and for the codec's integer value operands (the
-  // value kernel's path on AVX-512, and q4_0's on AVX2); keys are scored in fp32 from the
-  // decoded tile either way.
+  // value kernel's path on AVX-512, and int8's, q8_0's and q4_0's on AVX2); keys are scored in
+  // fp32 from the decoded tile either way.
   std::vector<double> float_bound(static_cast<std::size_t>(q_heads)), integer_bound(float_bound.size());
   for (index_t h = 0; h < q_heads; ++h) {
     const float* q = scaled.data() + static_cast<std::size_t>(h) * (latent + rope);

@@ -163,13 +163,17 @@ TEMPLATE_TEST_CASE("every ISA matches the reference on adversarial rows", "[kern
 
 // The output's bound lets a score move by the query's whole rounding in the exponent, which at
 // these magnitudes allows almost any output; each score's own bound (the rounding alone) is
-// what catches a key kernel's slip, such as a wrong code offset.
+// what catches a key kernel's slip, such as a wrong code offset. Pages of 20 and 24 tokens (the
+// codecs allow them; a cache's pages are multiples of 16) take the fp32 path, checked here
+// against the integer bound, which contains its own: the integer tiles step by 16 tokens on
+// AVX-512 and the weights' quantization by 8 or 16.
 TEMPLATE_TEST_CASE("every ISA scores integer codes within the quantized query's bound", "[kernels][cpu]", quant::Int8,
                    quant::Q8_0, quant::Q4_0) {
   struct Case {
     index_t page_size, head_dim, pages, tail, group;
   };
-  const Case cases[] = {{32, 128, 6, 0, 4}, {16, 64, 5, 3, 1}, {48, 96, 3, 5, 3}, {64, 256, 2, 0, 8}};
+  const Case cases[] = {{32, 128, 6, 0, 4}, {16, 64, 5, 3, 1}, {48, 96, 3, 5, 3},
+                        {64, 256, 2, 0, 8}, {20, 64, 4, 3, 2}, {24, 96, 3, 0, 4}};
   for (const Case& c : cases) {
     const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
     const auto keys = test::random_rows(rows, c.head_dim, 41, 4, 10.0f);

@@ -3,7 +3,7 @@
 /// \brief SIMD decode-attention kernels for the 8-bit integer codecs quant::Int8 and quant::Q8_0
 ///        (pair tiles of quant/tile_layout.hpp, fp16 scales per token and block).
 ///
-/// Two paths over the same bytes:
+/// Three paths over the same bytes:
 /// - AVX-512 with VNNI (the dispatch library's avx512 target): int16 dot products (`vpdpwssd`).
 ///   The query is quantized to int16 once per call (each element moves by at most 2^-16 of the
 ///   head's largest), each page's attention weights times the value scales to int16 per head
@@ -308,7 +308,8 @@ void score_pairs(A arch, const ScoreArgs<quant::NoParams>& args) noexcept {
 
 template <class Codec, class A>
 void accumulate_pairs(A arch, const AccumulateArgs<quant::NoParams>& args) noexcept {
-  // Value tiles are 16 channels wide; narrower heads (int8 allows head_dim 8) take the FMA path.
+  // Value tiles are 16 channels wide and the weights' quantization steps by 16 tokens; narrower
+  // heads (int8 allows head_dim 8) and other page sizes (codecs allow even ones) take the FMA path.
 #if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
     if (args.run.head_dim % 16 == 0 && args.run.page_size % 16 == 0) return accumulate_pairs_vnni<Codec>(arch, args);

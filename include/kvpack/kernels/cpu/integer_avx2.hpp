@@ -1,7 +1,8 @@
 #pragma once
 /// \file integer_avx2.hpp
 /// \brief What the AVX2 integer kernels (q4_0_avx2.hpp, integer_pairs_avx2.hpp) share: lane
-///        reductions, fp16 scale rows, and a page's weights quantized to int8 or int16.
+///        reductions, fp16 scale rows, the page loop of the key kernels, and a page's weights
+///        quantized to int8 or int16.
 ///
 /// AVX2 has no vpdpbusd, but `vpmaddubsw` multiplies 32 u8·s8 pairs into 16 int16 sums of two
 /// and `vpmaddwd` against ones widens those to 8 int32 sums of four: 32 products in two
@@ -11,11 +12,14 @@
 /// 8-bit codes take `vpmaddwd` on int16 operands instead, as vpdpwssd does on AVX-512.
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#include "kvpack/kernels/cpu/group_blocks.hpp"
 #include "kvpack/kernels/cpu/integer_common.hpp"
+#include "kvpack/kernels/cpu/prefetch.hpp"
 
-#if XSIMD_WITH_AVX2 && defined(__F16C__)
+#if XSIMD_WITH_FMA3_AVX2 && defined(__F16C__)
 #define KVPACK_KERNELS_HAVE_AVX2_INTEGER 1
 #else
 #define KVPACK_KERNELS_HAVE_AVX2_INTEGER 0
@@ -85,9 +89,33 @@ KVPACK_ALWAYS_INLINE __m128i saturate_to_int8(__m256i x) noexcept {
 
 }  // namespace avx2
 
+/// The page loop of the AVX2 integer key kernels (score_pages_vnni's): for every page and block
+/// of at most four query heads (their sums and fp32 totals, with the codes, fill the 16
+/// registers), `tile(kG, kTiles, plane, t0, h0, scores, prefetcher)` scores kTiles·8 tokens from
+/// t0, two tiles a pass below four heads; then dead slots are masked.
+template <class Tile>
+KVPACK_ALWAYS_INLINE void score_pages_avx2(const ScoreArgs<quant::NoParams>& args, index_t steps, Tile&& tile) {
+  const PageRun& run = args.run;
+  for (index_t i = 0; i < run.count; ++i) {
+    PagePrefetcher prefetcher(run, i, 1, steps);
+    const std::byte* plane = run.pages[i];
+    float* scores = args.scores + i * run.page_size;
+    for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
+      constexpr int kTiles = decltype(block)::value >= 4 ? 1 : 2;
+      float* out = scores + h0 * args.score_stride;
+      index_t t0 = 0;
+      for (; t0 + 8 * kTiles <= run.page_size; t0 += 8 * kTiles) {
+        tile(block, std::integral_constant<int, kTiles>{}, plane, t0, h0, out, prefetcher);
+      }
+      for (; t0 < run.page_size; t0 += 8) tile(block, std::integral_constant<int, 1>{}, plane, t0, h0, out, prefetcher);
+    });
+    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
+  }
+}
+
 /// QuantizedWeights on AVX2, with the AVX-512 path's arithmetic (integer_common.hpp): the same
-/// steps, the same rounding (vcvtps2dq, nearest even), the same saturation, so both paths give
-/// every weight the same integer.
+/// steps, the same rounding (vcvtps2dq, nearest even), the same saturation, so for finite input
+/// both paths give every weight the same integer.
 template <class T>
 void quantize_weights(avx2_arch, const float* weights, index_t weight_stride, index_t group, const std::byte* plane,
                       std::size_t codes_bytes, index_t page_size, index_t blocks,

@@ -99,7 +99,8 @@ struct QuantizedWeights {
 
 /// Carves QuantizedWeights out of a kernel's scratch floats.
 template <class T>
-KVPACK_ALWAYS_INLINE QuantizedWeights<T> weights_in_scratch(float* scratch, index_t group, index_t blocks, index_t page_size) noexcept {
+KVPACK_ALWAYS_INLINE QuantizedWeights<T> weights_in_scratch(float* scratch, index_t group, index_t blocks,
+                                                          index_t page_size) noexcept {
   const std::size_t values = static_cast<std::size_t>(group) * blocks * page_size;
   const std::size_t value_floats = (values * sizeof(T) + sizeof(float) - 1) / sizeof(float);
   float* after = scratch + value_floats;

@@ -9,11 +9,8 @@
 /// sums of two products, where vpdpwssd gives sixteen and adds them in the same instruction.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
-#include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/group_blocks.hpp"
 #include "kvpack/kernels/cpu/integer_avx2.hpp"
 #include "kvpack/kernels/cpu/pair_tiles.hpp"
@@ -23,31 +20,27 @@ namespace kvpack::inline v0::kernels::cpu {
 
 #if KVPACK_KERNELS_HAVE_AVX2_INTEGER
 
-/// The AVX-512 path's quantize_query_int16 (integer.hpp) on AVX2, step for step.
+/// The AVX-512 path's quantize_query_int16 (integer.hpp) on AVX2, step for step: the same
+/// integers for finite input. head_dim is a multiple of 8 (int8's and q8_0's rule).
 inline Int16Query quantize_query_int16(avx2_arch, const float* q, index_t group, index_t head_dim,
                                        float* scratch) noexcept {
   Int16Query out{reinterpret_cast<std::int32_t*>(scratch), scratch + group * head_dim / 2};
-  const index_t vector_end = head_dim - head_dim % 8;
   const __m256 limit = _mm256_set1_ps(kInt16Max);
   for (index_t h = 0; h < group; ++h) {
     const float* row = q + h * head_dim;
     __m256 lanes = _mm256_setzero_ps();
-    for (index_t c = 0; c < vector_end; c += 8) lanes = _mm256_max_ps(lanes, avx2::abs(_mm256_loadu_ps(row + c)));
-    float amax = avx2::reduce_max(lanes);
-    for (index_t c = vector_end; c < head_dim; ++c) amax = std::max(amax, std::fabs(row[c]));
+    for (index_t c = 0; c < head_dim; c += 8) lanes = _mm256_max_ps(lanes, avx2::abs(_mm256_loadu_ps(row + c)));
+    const float amax = avx2::reduce_max(lanes);
     const float scale = amax > 0.0f ? amax / kInt16Max : 1.0f;
     const float inverse = 1.0f / scale;
     out.scale[h] = scale;
     // Little-endian int16 pairs: element c is the low half of pairs[c / 2] when c is even.
     auto* q16 = reinterpret_cast<std::int16_t*>(out.pairs + h * head_dim / 2);
-    for (index_t c = 0; c < vector_end; c += 8) {
+    for (index_t c = 0; c < head_dim; c += 8) {
       // Clamped: amax · (1/scale) may round to just above 32767.
       const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(row + c), _mm256_set1_ps(inverse));
       const __m256i qi = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(scaled, -limit), limit));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q16 + c), avx2::saturate_to_int16(qi));
-    }
-    for (index_t c = vector_end; c < head_dim; ++c) {
-      q16[c] = static_cast<std::int16_t>(std::clamp(std::nearbyint(row[c] * inverse), -kInt16Max, kInt16Max));
     }
   }
   return out;
@@ -117,27 +110,11 @@ void score_pairs_avx2(avx2_arch arch, const ScoreArgs<quant::NoParams>& args) no
   const Int16Query q = quantize_query_int16(arch, args.queries, args.group, run.head_dim, args.scratch);
   // One step per channel pair of a 16-token pass (q4_0_avx2.hpp's rule).
   const index_t steps = std::max<index_t>(1, run.page_size / 16) * (run.head_dim / 2);
-  for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher prefetcher(run, i, 1, steps);
-    const std::byte* plane = run.pages[i];
-    float* scores = args.scores + i * run.page_size;
-    // At most four heads: their int32 sums and fp32 totals, with the codes, fill the 16 registers.
-    for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-      constexpr int kG = decltype(block)::value;
-      constexpr int kTiles = kG >= 4 ? 1 : 2;
-      float* out = scores + h0 * args.score_stride;
-      index_t t0 = 0;
-      for (; t0 + 8 * kTiles <= run.page_size; t0 += 8 * kTiles) {
-        score_pairs_tile_avx2<Codec, kG, kTiles>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, out,
-                                                 args.score_stride, prefetcher);
-      }
-      for (; t0 < run.page_size; t0 += 8) {
-        score_pairs_tile_avx2<Codec, kG, 1>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, out,
-                                            args.score_stride, prefetcher);
-      }
-    });
-    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
-  }
+  score_pages_avx2(args, steps, [&](auto heads, auto tiles, const std::byte* plane, index_t t0, index_t h0,
+                                    float* scores, PagePrefetcher& prefetcher) {
+    score_pairs_tile_avx2<Codec, decltype(heads)::value, decltype(tiles)::value>(
+        plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, scores, args.score_stride, prefetcher);
+  });
 }
 
 /// Values of kG heads for the 16 channels from c0 (inside one scale block b): 2·kG chains.

@@ -4,7 +4,7 @@
 ///        low nibbles channels 0–15 of a block, high nibbles 16–31; fp16 scales per token and
 ///        32-channel block; code q stands for (q - 8)·d).
 ///
-/// Two paths over the same bytes:
+/// Three paths over the same bytes:
 /// - AVX-512 with VNNI: `vpdpbusd`, four u8·s8 products per 32-bit lane, twice the products per
 ///   instruction of the int16 path the 8-bit codecs use: at DRAM speed 4-bit pages need about
 ///   180 M token-head steps per second, which int16 dot products cannot issue on one core.
@@ -142,18 +142,11 @@ void accumulate_q4_0_fma(A, const AccumulateArgs<quant::NoParams>& args) noexcep
 // ---------------------------------------------------------------------------------------------
 #if KVPACK_KERNELS_HAVE_VNNI
 
-/// The query in int8 per 32-channel block: q8[h][c] · step[h][b] ≈ q[h][c].
-struct Int8Query {
-  std::int8_t* values;       // [group][head_dim]
-  float* step;               // [group][head_dim / 32]
-  std::int32_t* block_sums;  // [group][head_dim / 32]: Σ q8 over the block (the -8 offset)
-};
-
-inline Int8Query quantize_query_int8(xsimd::avx512bw, const float* q, index_t group, index_t head_dim,
+inline q4::Int8Query quantize_query_int8(xsimd::avx512bw, const float* q, index_t group, index_t head_dim,
                                      float* scratch) noexcept {
   const index_t blocks = head_dim / 32;
   float* after_values = scratch + static_cast<std::size_t>(group) * head_dim / 4;
-  Int8Query out{reinterpret_cast<std::int8_t*>(scratch), after_values,
+  q4::Int8Query out{reinterpret_cast<std::int8_t*>(scratch), after_values,
                 reinterpret_cast<std::int32_t*>(after_values + group * blocks)};
   for (index_t h = 0; h < group; ++h) {
     for (index_t b = 0; b < blocks; ++b) {
@@ -187,7 +180,7 @@ KVPACK_ALWAYS_INLINE void split_nibbles(const std::uint8_t* p, __m512i& low, __m
 /// Scores of kG heads for kTiles·16 tokens from t0.
 template <int kG, int kTiles>
 KVPACK_ALWAYS_INLINE void score_q4_0_tile_vnni(const std::byte* plane, std::size_t codes_bytes, index_t page_size,
-                                               index_t head_dim, index_t t0, const Int8Query& q, index_t h0,
+                                               index_t head_dim, index_t t0, const q4::Int8Query& q, index_t h0,
                                                float* scores, index_t stride, PagePrefetcher& prefetcher) noexcept {
   const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
   const index_t blocks = head_dim / 32;
@@ -233,7 +226,7 @@ KVPACK_ALWAYS_INLINE void score_q4_0_tile_vnni(const std::byte* plane, std::size
 inline void score_q4_0_vnni(xsimd::avx512bw, const ScoreArgs<quant::NoParams>& args) noexcept {
   const PageRun& run = args.run;
   const std::size_t codes_bytes = q4::KeyCodec::codes_bytes({run.page_size, run.head_dim});
-  const Int8Query q = quantize_query_int8(xsimd::avx512bw{}, args.queries, args.group, run.head_dim, args.scratch);
+  const q4::Int8Query q = quantize_query_int8(xsimd::avx512bw{}, args.queries, args.group, run.head_dim, args.scratch);
   const index_t steps = std::max<index_t>(1, run.page_size / 32) * (run.head_dim / 8);
   score_pages_vnni(args, steps, [&](auto heads, auto tiles, const std::byte* plane, index_t t0, index_t h0,
                                     float* scores, PagePrefetcher& prefetcher) {

@@ -4,12 +4,12 @@
 ///        int8 per 32-channel block, each page's weights times the value scales in int8 per head
 ///        and block) on `vpmaddubsw`, so the error bounds of the two paths are the same.
 ///
-/// Keys: a 32-byte row holds one code byte (channels 4j..4j+3 low, 16+4j.. high) for each of 8
-/// tokens; vpmaddubsw of the low and high nibbles against the query's bytes leaves each token
-/// two int16 sums, which add up over the block's four rows without leaving int16 (8 products of
-/// at most 15·127 per sum per row: ≤ 30480), then widen once per block. Values: a token quad's
-/// 64-byte row holds 16 channels' four tokens per nibble half; two rows' int16 sums (≤ 7620)
-/// are added before widening.
+/// Keys: a 32-byte row holds four code bytes for each of 8 tokens (channels 4j..4j+3 in the low
+/// nibbles, 16+4j.. in the high); vpmaddubsw of the low and high nibbles against the query's
+/// bytes leaves each token two int16 sums, which add up over the block's four rows without
+/// leaving int16 (each sum gets 4 products of at most 15·127 per row, 16 per block: ≤ 30480),
+/// then widen once per block. Values: a token quad's 64-byte row holds 16 channels' four tokens
+/// per nibble half; two rows' int16 sums (≤ 4·15·127 = 7620) are added before widening.
 
 #include <algorithm>
 #include <cstdint>
@@ -25,21 +25,13 @@ namespace kvpack::inline v0::kernels::cpu {
 
 #if KVPACK_KERNELS_HAVE_AVX2_INTEGER
 
-namespace q4 {
-
-/// The query in int8 per 32-channel block: values[h][c] · step[h][b] ≈ q[h][c].
-struct Int8QueryAvx2 {
-  std::int8_t* values;       // [group][head_dim]
-  float* step;               // [group][head_dim / 32]
-  std::int32_t* block_sums;  // [group][head_dim / 32]: Σ values over the block (the -8 offset)
-};
-
-/// The AVX-512 path's quantize_query_int8 (q4_0.hpp) on AVX2, step for step.
-inline Int8QueryAvx2 quantize_query_int8(avx2_arch, const float* q, index_t group, index_t head_dim,
+/// The AVX-512 path's quantize_query_int8 (q4_0.hpp) on AVX2, step for step: the same integers
+/// for finite input.
+inline q4::Int8Query quantize_query_int8(avx2_arch, const float* q, index_t group, index_t head_dim,
                                          float* scratch) noexcept {
   const index_t blocks = head_dim / 32;
   float* after_values = scratch + static_cast<std::size_t>(group) * head_dim / 4;
-  Int8QueryAvx2 out{reinterpret_cast<std::int8_t*>(scratch), after_values,
+  q4::Int8Query out{reinterpret_cast<std::int8_t*>(scratch), after_values,
                     reinterpret_cast<std::int32_t*>(after_values + group * blocks)};
   const __m256 limit = _mm256_set1_ps(127.0f);
   for (index_t h = 0; h < group; ++h) {
@@ -70,12 +62,10 @@ inline Int8QueryAvx2 quantize_query_int8(avx2_arch, const float* q, index_t grou
   return out;
 }
 
-}  // namespace q4
-
 /// Scores of kG heads for kTiles·8 tokens from t0.
 template <int kG, int kTiles>
 KVPACK_ALWAYS_INLINE void score_q4_0_tile_avx2(const std::byte* plane, std::size_t codes_bytes, index_t page_size,
-                                               index_t head_dim, index_t t0, const q4::Int8QueryAvx2& q, index_t h0,
+                                               index_t head_dim, index_t t0, const q4::Int8Query& q, index_t h0,
                                                float* scores, index_t stride, PagePrefetcher& prefetcher) noexcept {
   const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
   const index_t blocks = head_dim / 32;
@@ -108,7 +98,8 @@ KVPACK_ALWAYS_INLINE void score_q4_0_tile_avx2(const std::byte* plane, std::size
         const __m256i q_high = avx2::broadcast_dword(qh + 16);
         KVPACK_UNROLL
         for (int i = 0; i < kTiles; ++i) {
-          const __m256i row = _mm256_add_epi16(_mm256_maddubs_epi16(low[i], q_low), _mm256_maddubs_epi16(high[i], q_high));
+          const __m256i row =
+              _mm256_add_epi16(_mm256_maddubs_epi16(low[i], q_low), _mm256_maddubs_epi16(high[i], q_high));
           sum[h][i] = _mm256_add_epi16(sum[h][i], row);
         }
       }
@@ -137,31 +128,15 @@ KVPACK_ALWAYS_INLINE void score_q4_0_tile_avx2(const std::byte* plane, std::size
 inline void score_q4_0_avx2(avx2_arch arch, const ScoreArgs<quant::NoParams>& args) noexcept {
   const PageRun& run = args.run;
   const std::size_t codes_bytes = q4::KeyCodec::codes_bytes({run.page_size, run.head_dim});
-  const q4::Int8QueryAvx2 q = q4::quantize_query_int8(arch, args.queries, args.group, run.head_dim, args.scratch);
+  const q4::Int8Query q = quantize_query_int8(arch, args.queries, args.group, run.head_dim, args.scratch);
   // One step per (block, row) of a 16-token pass: a page's lines are all requested by the time
   // its last tile is scored, or sooner where a pass covers 8 tokens.
   const index_t steps = std::max<index_t>(1, run.page_size / 16) * (run.head_dim / 8);
-  for (index_t i = 0; i < run.count; ++i) {
-    PagePrefetcher prefetcher(run, i, 1, steps);
-    const std::byte* plane = run.pages[i];
-    float* scores = args.scores + i * run.page_size;
-    // At most four heads: their int16 sums and fp32 totals, with the codes, fill the 16 registers.
-    for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-      constexpr int kG = decltype(block)::value;
-      constexpr int kTiles = kG >= 4 ? 1 : 2;
-      float* out = scores + h0 * args.score_stride;
-      index_t t0 = 0;
-      for (; t0 + 8 * kTiles <= run.page_size; t0 += 8 * kTiles) {
-        score_q4_0_tile_avx2<kG, kTiles>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, out,
-                                         args.score_stride, prefetcher);
-      }
-      for (; t0 < run.page_size; t0 += 8) {
-        score_q4_0_tile_avx2<kG, 1>(plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, out,
-                                    args.score_stride, prefetcher);
-      }
-    });
-    if (run.live != nullptr) mask_dead_slots(run.live[i], run.page_size, args.group, scores, args.score_stride);
-  }
+  score_pages_avx2(args, steps, [&](auto heads, auto tiles, const std::byte* plane, index_t t0, index_t h0,
+                                    float* scores, PagePrefetcher& prefetcher) {
+    score_q4_0_tile_avx2<decltype(heads)::value, decltype(tiles)::value>(
+        plane, codes_bytes, run.page_size, run.head_dim, t0, q, h0, scores, args.score_stride, prefetcher);
+  });
 }
 
 /// Values of kG heads for channels 8·half .. 8·half + 7 of each nibble half of block b.
@@ -188,11 +163,10 @@ KVPACK_ALWAYS_INLINE void accumulate_q4_0_tile_avx2(const std::byte* plane, inde
     for (int h = 0; h < kG; ++h) {
       const __m256i w0 = avx2::broadcast_dword(weights[h] + 4 * i);
       const __m256i w1 = avx2::broadcast_dword(weights[h] + 4 * i + 4);
-      low_sum[h] = _mm256_add_epi32(
-          low_sum[h], avx2::widen_pairs(_mm256_add_epi16(_mm256_maddubs_epi16(low[0], w0), _mm256_maddubs_epi16(low[1], w1))));
-      high_sum[h] = _mm256_add_epi32(
-          high_sum[h],
-          avx2::widen_pairs(_mm256_add_epi16(_mm256_maddubs_epi16(high[0], w0), _mm256_maddubs_epi16(high[1], w1))));
+      const __m256i low_pair = _mm256_add_epi16(_mm256_maddubs_epi16(low[0], w0), _mm256_maddubs_epi16(low[1], w1));
+      const __m256i high_pair = _mm256_add_epi16(_mm256_maddubs_epi16(high[0], w0), _mm256_maddubs_epi16(high[1], w1));
+      low_sum[h] = _mm256_add_epi32(low_sum[h], avx2::widen_pairs(low_pair));
+      high_sum[h] = _mm256_add_epi32(high_sum[h], avx2::widen_pairs(high_pair));
     }
   }
   KVPACK_UNROLL

@@ -1,9 +1,11 @@
 #pragma once
 /// \file q4_0_rows.hpp
 /// \brief Where q4_0's kernels find a row of codes in a page plane (quant/tile_layout.hpp's quad
-///        tiles): shared by the portable, AVX-512 VNNI and AVX2 integer kernels.
+///        tiles), and the integer paths' query: shared by the portable, AVX-512 VNNI and AVX2
+///        kernels.
 
 #include <cstddef>
+#include <cstdint>
 
 #include "kvpack/quant/q4_0.hpp"
 
@@ -23,6 +25,13 @@ KVPACK_ALWAYS_INLINE std::size_t key_row_offset(index_t page_size, index_t block
 KVPACK_ALWAYS_INLINE std::size_t value_row_offset(index_t blocks, index_t token_quad, index_t block) noexcept {
   return (static_cast<std::size_t>(token_quad) * blocks + block) * kRowBytes;
 }
+
+/// The query in int8 per 32-channel block (the integer paths): values[h][c] · step[h][b] ≈ q[h][c].
+struct Int8Query {
+  std::int8_t* values;       // [group][head_dim]
+  float* step;               // [group][head_dim / 32]
+  std::int32_t* block_sums;  // [group][head_dim / 32]: Σ values over the block (the -8 offset)
+};
 
 }  // namespace q4
 
