@@ -100,8 +100,8 @@ template <>
 struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
 /// The operands the kernels of target `isa` (kernels::cpu::isa_name) use for a codec's plane: on
-/// AVX-512 with VNNI and on AVX2, int16 for int8 and q8_0 and int8 for q4_0; on AVX-512 also
-/// KIVI's, KVQuant's and TurboQuant's forms above; fp32 everywhere else. For pages of a multiple
+/// AVX-512 with VNNI and on AVX2, int16 for int8 and q8_0, int8 for q4_0 and KIVI's forms above;
+/// on AVX-512 also KVQuant's and TurboQuant's; fp32 everywhere else. For pages of a multiple
 /// of 16 tokens (every cache's): other page sizes, and int8 values at head_dim 8, take the fp32
 /// path, whose bound the integer one contains.
 template <class Codec>
@@ -112,8 +112,8 @@ Operands operands(std::string_view isa) {
                 std::is_same_v<Codec, quant::Int8Codec<Codec::kPlane>>) {
     return Operands::kInt16;
   }
-  if (isa != "avx512") return Operands::kFloat;
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
+  if (isa != "avx512") return Operands::kFloat;
   if constexpr (IsKVQuantByteLevels<Codec>::value) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt16Levels : Operands::kInt8Codes;
   }

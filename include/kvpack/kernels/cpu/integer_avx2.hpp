@@ -47,6 +47,13 @@ KVPACK_ALWAYS_INLINE std::int32_t reduce_add(__m256i x) noexcept {
   return _mm_cvtsi128_si32(s);
 }
 
+KVPACK_ALWAYS_INLINE float reduce_add(__m256 x) noexcept {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 KVPACK_ALWAYS_INLINE __m256 abs(__m256 x) noexcept {
   return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
 }

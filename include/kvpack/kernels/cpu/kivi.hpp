@@ -12,7 +12,8 @@
 ///   Σ_t w_t·x̂_tc = Σ_t (w_t·s_t)·code_tc + Σ_t w_t·m_t, so each weight is scaled once per token
 ///   and channel group, and the second sum is added once per call.
 /// What is left per code is a shift, a mask, a conversion and one FMA per query head; on AVX-512
-/// with VNNI the codes take integer dot products instead (kivi_vnni.hpp). Codes are
+/// with VNNI and on AVX2 the codes take integer dot products instead (kivi_vnni.hpp,
+/// kivi_avx2.hpp; KiviIntegerKernels). Codes are
 /// taken from whole vectors of bytes in a permuted order (KiviLanes); scores and sums are put
 /// back in order once per page or call. The per-token keys of KIVI's ablation still unpack a page
 /// into an fp32 tile and score it with the float kernels.
@@ -25,6 +26,7 @@
 
 #include "kvpack/kernels/cpu/float.hpp"
 #include "kvpack/kernels/cpu/group_blocks.hpp"
+#include "kvpack/kernels/cpu/kivi_avx2.hpp"
 #include "kvpack/kernels/cpu/kivi_vnni.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 #include "kvpack/kernels/cpu/softmax.hpp"
@@ -200,6 +202,93 @@ inline constexpr bool kKiviVnni =
 template <int Bits, class A>
 inline constexpr bool kKiviSplitValueLanes = kKiviVnni<A> && Bits == 2;
 
+/// The integer kernels of A, both widths with the same operands: kivi_vnni.hpp's on AVX-512 with
+/// VNNI, kivi_avx2.hpp's on AVX2. A call scores 32 tokens of one key group for up to kKeyHeads
+/// heads, or sums one page for 32 channels of one value group for up to kValueHeads heads, in
+/// key_steps / value_steps prefetch steps.
+template <class A>
+struct KiviIntegerKernels {
+  static constexpr bool kAvailable = false;
+  static constexpr index_t key_steps(int, index_t) noexcept { return 1; }
+  static constexpr index_t value_steps(int, index_t) noexcept { return 1; }
+};
+
+#if KVPACK_KERNELS_HAVE_VNNI
+template <>
+struct KiviIntegerKernels<xsimd::avx512bw> {
+  static constexpr bool kAvailable = true;
+  template <int Bits>
+  static constexpr int kKeyHeads = 4;
+  template <int Bits>
+  static constexpr int kValueHeads = 4;
+  static constexpr index_t key_steps(int bits, index_t head_dim) noexcept { return head_dim / (bits == 4 ? 4 : 8); }
+  static constexpr index_t value_steps(int bits, index_t page_size) noexcept { return page_size / (bits == 4 ? 4 : 8); }
+
+  template <class... Args>
+  static KVPACK_ALWAYS_INLINE bool fold_query(Args... args) noexcept {
+    return kivi_vnni::fold_query(xsimd::avx512bw{}, args...);
+  }
+  template <int Bits, int kG, class... Args>
+  static KVPACK_ALWAYS_INLINE void score(Args&&... args) noexcept {
+    if constexpr (Bits == 4) {
+      kivi_vnni::score_tokens<kG>(args...);
+    } else {
+      kivi_vnni::score_tokens_2bit<kG>(args...);
+    }
+  }
+  template <class... Args>
+  static KVPACK_ALWAYS_INLINE void quantize_weights(Args... args) noexcept {
+    kivi_vnni::quantize_group_weights(xsimd::avx512bw{}, args...);
+  }
+  template <int Bits, int kG, class... Args>
+  static KVPACK_ALWAYS_INLINE void accumulate(Args&&... args) noexcept {
+    if constexpr (Bits == 4) {
+      kivi_vnni::accumulate_channels<kG>(args...);
+    } else {
+      kivi_vnni::accumulate_channels_2bit<kG>(args...);
+    }
+  }
+};
+#endif
+
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+template <>
+struct KiviIntegerKernels<avx2_arch> {
+  static constexpr bool kAvailable = true;
+  template <int Bits>
+  static constexpr int kKeyHeads = Bits == 4 ? 4 : 2;
+  template <int Bits>
+  static constexpr int kValueHeads = 2;
+  static constexpr index_t key_steps(int bits, index_t head_dim) noexcept { return head_dim / (bits == 4 ? 2 : 8); }
+  static constexpr index_t value_steps(int, index_t page_size) noexcept { return page_size / 8; }
+
+  template <class... Args>
+  static KVPACK_ALWAYS_INLINE bool fold_query(Args... args) noexcept {
+    return kivi_avx2::fold_query(avx2_arch{}, args...);
+  }
+  template <int Bits, int kG, class... Args>
+  static KVPACK_ALWAYS_INLINE void score(Args&&... args) noexcept {
+    if constexpr (Bits == 4) {
+      kivi_avx2::score_tokens<kG>(args...);
+    } else {
+      kivi_avx2::score_tokens_2bit<kG>(args...);
+    }
+  }
+  template <class... Args>
+  static KVPACK_ALWAYS_INLINE void quantize_weights(Args... args) noexcept {
+    kivi_avx2::quantize_group_weights(avx2_arch{}, args...);
+  }
+  template <int Bits, int kG, class... Args>
+  static KVPACK_ALWAYS_INLINE void accumulate(Args&&... args) noexcept {
+    if constexpr (Bits == 4) {
+      kivi_avx2::accumulate_channels<kG>(args...);
+    } else {
+      kivi_avx2::accumulate_channels_2bit<kG>(args...);
+    }
+  }
+};
+#endif
+
 /// A per-token plane (values, or the ablation's keys) as fp32, token-major (`tile[t·head_dim + c]`).
 template <int Bits, int Group, Plane kPlane, class A>
 KVPACK_ALWAYS_INLINE void unpack_kivi_tokens(A, quant::PageGeometry g, const std::byte* plane, float* tile) noexcept {
@@ -286,46 +375,40 @@ void score_keys(A, std::type_identity<quant::KiviKeyCodec<Bits, Group>>,
   const quant::PageGeometry geometry{run.page_size, d};
   const std::size_t row_bytes = Codec::row_bytes(geometry);
   float* qs = args.scratch;                                     // [group][head_dim]
-  // [group], then (VNNI path) the int16 steps [group], the int16 query [group][head_dim] and the
-  // token group's scales and minimums as fp32 [2][head_dim].
+  // [group], then (integer path) the int16 steps [group], the int16 query [group][head_dim] and
+  // the token group's scales and minimums as fp32 [2][head_dim].
   float* bias = qs + static_cast<std::size_t>(args.group) * d;
+  using Integer = KiviIntegerKernels<A>;
   for (index_t i = 0; i < run.count; ++i) {
-    // Spread over the integer score loop (a step per 4 or 8 channels of 32 tokens) where it runs.
-    PagePrefetcher prefetcher(run, i, 1, kKiviVnni<A> ? run.page_size / 32 * d / (Bits == 4 ? 4 : 8) : 1);
-    if constexpr (!kKiviVnni<A>) prefetcher.step();
+    // Spread over the integer score loop where it runs.
+    PagePrefetcher prefetcher(run, i, 1, Integer::kAvailable ? run.page_size / 32 * Integer::key_steps(Bits, d) : 1);
+    if constexpr (!Integer::kAvailable) prefetcher.step();
     const std::byte* plane = run.pages[i];
     float* scores = args.scores + i * run.page_size;
     for (index_t tg = 0; tg < run.page_size / Group; ++tg) {
       const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + tg * L::kGroupBytes;
-#if KVPACK_KERNELS_HAVE_VNNI
-      if constexpr (kKiviVnni<A>) {
+      if constexpr (Integer::kAvailable) {
         const std::size_t meta = static_cast<std::size_t>(tg) * d * 2;
         auto* q16 = reinterpret_cast<std::int16_t*>(bias + 2 * args.group);  // [group][head_dim]
         float* converted = reinterpret_cast<float*>(q16 + static_cast<std::size_t>(args.group) * d);
         if (d % 16 == 0 &&  // whole vectors of channels
-            kivi_vnni::fold_query(A{}, args.queries, args.group, d,
-                                  reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry) + meta),
-                                  reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(geometry) + meta),
-                                  converted, qs, q16, bias + args.group, bias)) {
+            Integer::fold_query(
+                args.queries, args.group, d,
+                reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry) + meta),
+                reinterpret_cast<const std::uint16_t*>(plane + Codec::mins_offset(geometry) + meta), converted, qs,
+                q16, bias + args.group, bias)) {
           for (index_t k = 0; k < Group / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row
-            for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-              constexpr int kG = decltype(block)::value;
-              const auto* at = codes + 4 * Bits * k;
+            for_each_head_block<Integer::template kKeyHeads<Bits>>(args.group, [&](auto block, index_t h0) {
               float* out = scores + h0 * args.score_stride + tg * Group + 32 * k;
-              if constexpr (Bits == 4) {
-                kivi_vnni::score_tokens<kG>(at, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0, out,
-                                            args.score_stride, prefetcher);
-              } else {
-                kivi_vnni::score_tokens_2bit<kG>(at, row_bytes, d, q16 + h0 * d, bias + args.group + h0, bias + h0,
-                                                 out, args.score_stride, prefetcher);
-              }
+              Integer::template score<Bits, decltype(block)::value>(codes + 4 * Bits * k, row_bytes, d, q16 + h0 * d,
+                                                                    bias + args.group + h0, bias + h0, out,
+                                                                    args.score_stride, prefetcher);
             });
           }
           continue;
         }
         prefetcher.finish();  // the fp32 path below takes no steps
       }
-#endif
       fold_key_group<Bits, Group, A>(plane, geometry, tg, args.queries, args.group, qs, bias);
       for_each_head_block<kivi_max_heads<L::kVectors, A>()>(args.group, [&](auto block, index_t h0) {
         score_kivi_token_group<Bits, Group, decltype(block)::value, A>(
@@ -457,7 +540,7 @@ struct KiviValueScratch {
   float* scaled;     ///< [group][page_size]: w_t·s_t of one channel group (the fp32 path)
   float* staging;    ///< [2·page_size][head_dim / Group]: the page's scales, then minimums
   float* by_group;   ///< [head_dim / Group][2·page_size]: the same by channel group (value_metadata_by_group)
-  // The VNNI path:
+  // The integer paths:
   std::int8_t* scaled_int8;  ///< [group][page_size]: w_t·s_t of one channel group as int8
   float* steps;              ///< [group]: their steps
   float* head_max;           ///< [group]: each head's largest weight on the page
@@ -557,51 +640,46 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
   s.head_max = s.steps + args.group;
   s.scaled_int8 = reinterpret_cast<std::int8_t*>(s.head_max + args.group);
   std::fill(s.sums, s.scaled, 0.0f);
+  using Integer = KiviIntegerKernels<A>;
+  // The integer kernels step through whole vectors of 16 tokens (every cache's pages).
+  const bool integer = Integer::kAvailable && page % 16 == 0;
   for (index_t i = 0; i < run.count; ++i) {
-    // The value planes ahead (kValueKernelPrefetches), spread over the integer loop (a step per
-    // 4 or 8 tokens of 32 channels) where it runs.
-    PagePrefetcher prefetcher(run, i, 1, kKiviVnni<A> ? d / 32 * page / (Bits == 4 ? 4 : 8) : 1, Plane::kValue);
-    if constexpr (!kKiviVnni<A>) prefetcher.step();
+    // The value planes ahead (kValueKernelPrefetches), spread over the integer loop where it runs.
+    PagePrefetcher prefetcher(run, i, 1, integer ? d / 32 * Integer::value_steps(Bits, page) : 1, Plane::kValue);
+    if (!integer) prefetcher.step();
     const std::byte* plane = run.pages[i] + run.value_offset;
     // Scales and minimums are [token][channel group] fp16, contiguous; the products take them a
     // channel group at a time.
     const auto* metadata = reinterpret_cast<const std::uint16_t*>(plane + Codec::scales_offset(geometry));
     value_metadata_by_group<A>(metadata, 2 * page, groups, s.staging, s.by_group);
     const float* weights = args.weights + i * page;
-#if KVPACK_KERNELS_HAVE_VNNI
-    if constexpr (kKiviVnni<A>) {
-      for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
-        batch largest(0.0f);
-        for (index_t t = 0; t < page; t += kWidth) {
-          largest = xsimd::max(largest, batch::load_unaligned(weights + h * args.weight_stride + t));
+    if constexpr (Integer::kAvailable) {
+      if (integer) {
+        for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
+          batch largest(0.0f);
+          for (index_t t = 0; t < page; t += kWidth) {
+            largest = xsimd::max(largest, batch::load_unaligned(weights + h * args.weight_stride + t));
+          }
+          s.head_max[h] = simd::reduce_max<A>(largest);
         }
-        s.head_max[h] = _mm512_reduce_max_ps(largest);
-      }
-      for (index_t gc = 0; gc < groups; ++gc) {
-        const float* group_meta = s.by_group + 2 * gc * page;  // scales, then minimums
-        kivi_vnni::quantize_group_weights(A{}, weights, args.weight_stride, args.group, page, group_meta,
-                                          group_meta + page, s.head_max, s.min_sums + gc * kWidth, groups * kWidth,
-                                          s.scaled_int8, s.steps);
-        const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
-        for (index_t k = 0; k < Group / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
-          for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-            constexpr int kG = decltype(block)::value;
-            const auto* at = codes + 4 * Bits * k;
-            const std::int8_t* w8 = s.scaled_int8 + static_cast<std::size_t>(h0) * page;
-            // 4-bit: KiviLanes<4, Group, avx512bw>'s order; 2-bit: lane_pairs_in_order's.
-            float* out = s.sums + h0 * sums_stride + (gc * Group + 32 * k) * (sums_stride / d);
-            if constexpr (Bits == 4) {
-              kivi_vnni::accumulate_channels<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride, prefetcher);
-            } else {
-              kivi_vnni::accumulate_channels_2bit<kG>(at, row_bytes, page, w8, s.steps + h0, out, sums_stride,
-                                                     prefetcher);
-            }
-          });
+        for (index_t gc = 0; gc < groups; ++gc) {
+          const float* group_meta = s.by_group + 2 * gc * page;  // scales, then minimums
+          Integer::quantize_weights(weights, args.weight_stride, args.group, page, group_meta, group_meta + page,
+                                    s.head_max, s.min_sums + gc * kWidth, groups * kWidth, s.scaled_int8, s.steps);
+          const auto* codes = reinterpret_cast<const std::uint8_t*>(plane) + gc * L::kGroupBytes;
+          for (index_t k = 0; k < Group / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
+            for_each_head_block<Integer::template kValueHeads<Bits>>(args.group, [&](auto block, index_t h0) {
+              const std::int8_t* w8 = s.scaled_int8 + static_cast<std::size_t>(h0) * page;
+              // KiviLanes<Bits, Group, A>'s order, or lane_pairs_in_order's (kKiviSplitValueLanes).
+              float* out = s.sums + h0 * sums_stride + (gc * Group + 32 * k) * (sums_stride / d);
+              Integer::template accumulate<Bits, decltype(block)::value>(codes + 4 * Bits * k, row_bytes, page, w8,
+                                                                         s.steps + h0, out, sums_stride, prefetcher);
+            });
+          }
         }
+        continue;
       }
-      continue;
     }
-#endif
     for (index_t gc = 0; gc < groups; ++gc) {
       for (index_t t = 0; t < page; t += kWidth) {
         const batch scale = batch::load_unaligned(s.by_group + 2 * gc * page + t);
