@@ -84,6 +84,12 @@ dispatch::Backend check_launch(const PagedArgs<KeyCodec, ValueCodec>& a, index_t
       a.payload_bytes % 64 == 0, kInvalidArgument,
       ::kvpack::detail::message("attend_paged: payload_bytes must be a multiple of 64, got ", a.payload_bytes));
   const dispatch::Backend backend = dispatch::backend_of(a.out);
+  // The CPU kernels step through a page 8 or 16 tokens at a time (a cache's pages hold a
+  // multiple of 16, CacheConfig): other sizes would read and write past a page's slots.
+  KVPACK_CHECK(backend != dispatch::Backend::kCpu || a.page_size % 16 == 0, kInvalidArgument,
+               ::kvpack::detail::message("attend_paged: pages in host memory must hold a multiple of 16 tokens, as a "
+                                         "cache's do; got page_size ",
+                                         a.page_size));
   for (const auto& [name, address] : pointer_fields(a)) {
     // Tail arrays are optional without tail rows; pages without pages (over host memory, where
     // the page ranges are read, a null `pages` with pages to read is rejected below).

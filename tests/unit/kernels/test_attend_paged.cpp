@@ -71,6 +71,13 @@ TEST_CASE("attend_paged rejects bad launches before writing anything", "[kernels
   rejects(with([](A& a) { a.group = 0; }), ErrorCode::kInvalidArgument, "must be positive");
   rejects(with([](A& a) { a.tail_stride = -1; }), ErrorCode::kInvalidArgument, "non-negative");
   rejects(with([](A& a) { a.head_dim = 48; }), ErrorCode::kUnsupported, "q4_0");  // not a multiple of 32
+  // q4_0 encodes pages of 40 tokens, but the CPU kernels step through 8 or 16 at a time.
+  rejects(with([](A& a) {
+            a.page_size = 40;
+            a.payload_bytes = 64 * 64;
+            a.value_offset = 32 * 64;
+          }),
+          ErrorCode::kInvalidArgument, "multiple of 16 tokens, as a cache's do; got page_size 40");
   rejects(with([](A& a) { a.value_offset = 64; }), ErrorCode::kInvalidArgument, "overlaps the K plane");
   rejects(with([](A& a) { a.payload_bytes -= 64; }), ErrorCode::kInvalidArgument, "runs past the payload");
   rejects(with([](A& a) { a.payload_bytes += 32; }), ErrorCode::kInvalidArgument, "multiple of 64");
