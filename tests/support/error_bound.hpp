@@ -101,9 +101,9 @@ struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
 /// The operands the kernels of target `isa` (kernels::cpu::isa_name) use for a codec's plane: on
 /// AVX-512 with VNNI and on AVX2, int16 for int8 and q8_0, int8 for q4_0 and KIVI's forms above;
-/// on AVX-512 also KVQuant's and TurboQuant's; fp32 everywhere else. For pages of a multiple
-/// of 16 tokens (every cache's): other page sizes, and int8 values at head_dim 8, take the fp32
-/// path, whose bound the integer one contains.
+/// KVQuant's too (on AVX2 for 4- and 2-bit codes only); on AVX-512 also TurboQuant's; fp32
+/// everywhere else. For pages of a multiple of 16 tokens (every cache's): other page sizes, and
+/// int8 values at head_dim 8, take the fp32 path, whose bound the integer one contains.
 template <class Codec>
 Operands operands(std::string_view isa) {
   if (isa != "avx512" && isa != "avx2") return Operands::kFloat;
@@ -113,10 +113,11 @@ Operands operands(std::string_view isa) {
     return Operands::kInt16;
   }
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
-  if (isa != "avx512") return Operands::kFloat;
-  if constexpr (IsKVQuantByteLevels<Codec>::value) {
+  if constexpr (IsKVQuantByteLevels<Codec>::value) {  // AVX2: 4- and 2-bit codes only
+    if (isa == "avx2" && Codec::kBits == 3) return Operands::kFloat;
     return Codec::kPlane == Plane::kKey ? Operands::kInt16Levels : Operands::kInt8Codes;
   }
+  if (isa != "avx512") return Operands::kFloat;
   if constexpr (IsTurboMse<Codec>::value) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt8Levels : Operands::kInt8Codes;
   }

@@ -1,9 +1,9 @@
 #pragma once
 /// \file byte_levels.hpp
 /// \brief What the kernels that multiply codebook levels as bytes share (KVQuant's and
-///        TurboQuant's AVX-512 VNNI paths, through kivi_vnni.hpp's loops): the codebook as a
-///        byte table, the −128 each byte level carries, and 3- and 2-bit codes widened to 4-bit
-///        ones.
+///        TurboQuant's AVX-512 VNNI paths through kivi_vnni.hpp's loops, KVQuant's keys on AVX2
+///        through kivi_avx2.hpp's): the codebook as a byte table, the −128 each byte level
+///        carries, and (AVX-512) 3- and 2-bit codes widened to 4-bit ones.
 
 #include <algorithm>
 #include <cmath>
@@ -13,35 +13,28 @@
 
 #include "kvpack/kernels/cpu/integer_common.hpp"
 
-#if KVPACK_KERNELS_HAVE_VNNI
-
 namespace kvpack::inline v0::kernels::cpu {
 
-/// A codebook of up to 16 levels as unsigned bytes for kivi_vnni's integer products (4- and
-/// 2-bit codes): byte_k = 128 + round(ℓ_k / step) with step = max_k |ℓ_k| / 127, so each level is
-/// (byte_k − 128)·step within step/2, and Σ_t w8_t·ℓ(code_t) = step·(Σ_t w8_t·byte − 128·Σ_t w8_t)
-/// (likewise Σ_c q16_c·ℓ(code_c) for keys).
-/// One byte shuffle per vector of codes looks them up; codes past the codebook's size read the
-/// zero level (the caller zero-pads `levels`).
-struct ByteLevels {
-  __m512i table;
+/// A codebook of up to 16 levels as unsigned bytes for the integer products of kivi_vnni.hpp and
+/// kivi_avx2.hpp (4- and 2-bit codes): byte_k = 128 + round(ℓ_k / step) with step = max_k |ℓ_k| /
+/// 127, so each level is (byte_k − 128)·step within step/2, and Σ_t w8_t·ℓ(code_t) =
+/// step·(Σ_t w8_t·byte − 128·Σ_t w8_t) (likewise Σ_c q16_c·ℓ(code_c) for keys). Codes past the
+/// codebook's size read the zero level (the caller zero-pads `levels`).
+struct LevelBytes {
+  alignas(16) std::uint8_t bytes[16] = {};
   float step = 0.0f;  ///< 0 when no level is usable (all zero, or one not finite): the fp32 path
-
-  KVPACK_ALWAYS_INLINE explicit ByteLevels(const float (&levels)[16]) noexcept : ByteLevels(levels, largest(levels)) {}
 
   /// With the step of `largest` ≥ every |ℓ_k|, so that two codebooks of one layer share a step
   /// (TurboQuant's sections of two widths); a `largest` that is 0 or not finite gives step 0.
-  KVPACK_ALWAYS_INLINE ByteLevels(const float (&levels)[16], float largest) noexcept {
-    alignas(16) std::uint8_t bytes[16] = {};
+  LevelBytes(const float (&levels)[16], float largest) noexcept {
     if (largest > 0.0f && largest <= std::numeric_limits<float>::max()) {
       step = largest / 127.0f;
       for (int k = 0; k < 16; ++k) bytes[k] = static_cast<std::uint8_t>(128 + std::lrint(levels[k] / step));
     }
-    table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes)));
   }
 
   /// max_k |ℓ_k|, or NaN when some level is not finite.
-  static KVPACK_ALWAYS_INLINE float largest(const float (&levels)[16]) noexcept {
+  static float largest(const float (&levels)[16]) noexcept {
     float top = 0.0f;
     for (float level : levels) {
       if (!std::isfinite(level)) return std::numeric_limits<float>::quiet_NaN();
@@ -49,6 +42,29 @@ struct ByteLevels {
     }
     return top;
   }
+};
+
+}  // namespace kvpack::inline v0::kernels::cpu
+
+#if KVPACK_KERNELS_HAVE_VNNI
+
+namespace kvpack::inline v0::kernels::cpu {
+
+/// LevelBytes in every 128-bit lane, for the AVX-512 kernels: one byte shuffle per vector of
+/// codes looks them up.
+struct ByteLevels {
+  __m512i table;
+  float step = 0.0f;  ///< LevelBytes::step
+
+  KVPACK_ALWAYS_INLINE explicit ByteLevels(const float (&levels)[16]) noexcept : ByteLevels(levels, largest(levels)) {}
+
+  KVPACK_ALWAYS_INLINE ByteLevels(const float (&levels)[16], float largest) noexcept {
+    const LevelBytes level_bytes(levels, largest);
+    step = level_bytes.step;
+    table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(level_bytes.bytes)));
+  }
+
+  static KVPACK_ALWAYS_INLINE float largest(const float (&levels)[16]) noexcept { return LevelBytes::largest(levels); }
 
   KVPACK_ALWAYS_INLINE __m512i bytes(__m512i codes) const noexcept { return _mm512_shuffle_epi8(table, codes); }
   /// Codes in words with a zero high byte: bit 7 set in the high byte makes the shuffle write 0 there.

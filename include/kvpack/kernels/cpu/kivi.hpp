@@ -203,12 +203,17 @@ template <int Bits, class A>
 inline constexpr bool kKiviSplitValueLanes = kKiviVnni<A> && Bits == 2;
 
 /// The integer kernels of A, both widths with the same operands: kivi_vnni.hpp's on AVX-512 with
-/// VNNI, kivi_avx2.hpp's on AVX2. A call scores 32 tokens of one key group for up to kKeyHeads
-/// heads, or sums one page for 32 channels of one value group for up to kValueHeads heads, in
-/// key_steps / value_steps prefetch steps.
+/// VNNI, kivi_avx2.hpp's on AVX2 (KVQuant's keys take them too, with ByteLevels as the operand).
+/// A call scores 32 tokens of one key group for up to kKeyHeads heads, or sums one page for 32
+/// channels of one value group for up to kValueHeads heads, in key_steps / value_steps
+/// prefetch steps.
 template <class A>
 struct KiviIntegerKernels {
   static constexpr bool kAvailable = false;
+  struct ByteLevels {  // never used: lets callers name the type on every target
+    explicit ByteLevels(const float (&)[16]) noexcept {}
+    float step = 0.0f;
+  };
   static constexpr index_t key_steps(int, index_t) noexcept { return 1; }
   static constexpr index_t value_steps(int, index_t) noexcept { return 1; }
 };
@@ -217,6 +222,7 @@ struct KiviIntegerKernels {
 template <>
 struct KiviIntegerKernels<xsimd::avx512bw> {
   static constexpr bool kAvailable = true;
+  using ByteLevels = cpu::ByteLevels;
   template <int Bits>
   static constexpr int kKeyHeads = 4;
   template <int Bits>
@@ -227,6 +233,14 @@ struct KiviIntegerKernels<xsimd::avx512bw> {
   template <class... Args>
   static KVPACK_ALWAYS_INLINE bool fold_query(Args... args) noexcept {
     return kivi_vnni::fold_query(xsimd::avx512bw{}, args...);
+  }
+  /// With fp32 scales and minimums (KVQuant's calibrated ranges and offsets).
+  static KVPACK_ALWAYS_INLINE bool fold_query(const float* queries, index_t group, index_t head_dim,
+                                              const float* scales, const float* mins, float* folded,
+                                              std::int16_t* q16, float* step, float* bias) noexcept {
+    return kivi_vnni::fold_query(
+        queries, group, head_dim, [&](index_t c) { return _mm512_loadu_ps(scales + c); },
+        [&](index_t c) { return _mm512_loadu_ps(mins + c); }, folded, q16, step, bias);
   }
   template <int Bits, int kG, class... Args>
   static KVPACK_ALWAYS_INLINE void score(Args&&... args) noexcept {
@@ -255,6 +269,7 @@ struct KiviIntegerKernels<xsimd::avx512bw> {
 template <>
 struct KiviIntegerKernels<avx2_arch> {
   static constexpr bool kAvailable = true;
+  using ByteLevels = kivi_avx2::ByteLevels;
   template <int Bits>
   static constexpr int kKeyHeads = Bits == 4 ? 4 : 2;
   template <int Bits>
@@ -288,6 +303,27 @@ struct KiviIntegerKernels<avx2_arch> {
   }
 };
 #endif
+
+/// Each head's largest weight on a page (weights are exp(·) ≥ 0): what the integer value paths
+/// scale their int8 weights by.
+template <class A>
+KVPACK_ALWAYS_INLINE void page_head_max(const float* weights, index_t weight_stride, index_t group,
+                                        index_t page_size, float* head_max) noexcept {
+  using batch = simd::f32<A>;
+  for (index_t h = 0; h < group; ++h) {
+    batch largest(0.0f);
+    for (index_t t = 0; t < page_size; t += static_cast<index_t>(batch::size)) {
+      largest = xsimd::max(largest, batch::load_unaligned(weights + h * weight_stride + t));
+    }
+#if KVPACK_KERNELS_HAVE_VNNI
+    if constexpr (std::is_same_v<A, xsimd::avx512bw>) {
+      head_max[h] = _mm512_reduce_max_ps(largest);
+      continue;
+    }
+#endif
+    head_max[h] = simd::reduce_max<A>(largest);
+  }
+}
 
 /// A per-token plane (values, or the ablation's keys) as fp32, token-major (`tile[t·head_dim + c]`).
 template <int Bits, int Group, Plane kPlane, class A>
@@ -655,13 +691,7 @@ void accumulate_values(A, std::type_identity<quant::KiviValueCodec<Bits, Group>>
     const float* weights = args.weights + i * page;
     if constexpr (Integer::kAvailable) {
       if (integer) {
-        for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
-          batch largest(0.0f);
-          for (index_t t = 0; t < page; t += kWidth) {
-            largest = xsimd::max(largest, batch::load_unaligned(weights + h * args.weight_stride + t));
-          }
-          s.head_max[h] = simd::reduce_max<A>(largest);
-        }
+        page_head_max<A>(weights, args.weight_stride, args.group, page, s.head_max);
         for (index_t gc = 0; gc < groups; ++gc) {
           const float* group_meta = s.by_group + 2 * gc * page;  // scales, then minimums
           Integer::quantize_weights(weights, args.weight_stride, args.group, page, group_meta, group_meta + page,

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvpack/kernels/cpu/byte_levels.hpp"
 #include "kvpack/kernels/cpu/integer_avx2.hpp"
 #include "kvpack/kernels/cpu/prefetch.hpp"
 
@@ -30,25 +31,20 @@
 namespace kvpack::inline v0::kernels::cpu::kivi_avx2 {
 
 /// kivi_vnni::fold_query on AVX2, pass for pass: the same q16, steps and bias (up to the order
-/// of the bias's fp32 sum) for finite input. `converted` holds the token group's scales and
-/// minimums as fp32 ([2][head_dim]); head_dim is a multiple of 8.
-inline bool fold_query(avx2_arch, const float* queries, index_t group, index_t head_dim, const std::uint16_t* scales,
-                       const std::uint16_t* mins, float* converted, float* folded, std::int16_t* q16, float* step,
-                       float* bias) noexcept {
-  for (index_t c = 0; c < head_dim; c += 8) {
-    _mm256_storeu_ps(converted + c, avx2::load_halves(reinterpret_cast<const std::byte*>(scales + c)));
-    _mm256_storeu_ps(converted + head_dim + c, avx2::load_halves(reinterpret_cast<const std::byte*>(mins + c)));
-  }
+/// of the bias's fp32 sum) for finite input, from fp32 scales and minimums (head_dim of each, a
+/// multiple of 8). KVQuant folds its calibrated ranges and offsets here.
+inline bool fold_query(avx2_arch, const float* queries, index_t group, index_t head_dim, const float* scales,
+                       const float* mins, float* folded, std::int16_t* q16, float* step, float* bias) noexcept {
   for (index_t h = 0; h < group; ++h) {
     const float* q = queries + h * head_dim;
     float* qs_h = folded + h * head_dim;
     __m256 dot = _mm256_setzero_ps(), largest = _mm256_setzero_ps();
     for (index_t c = 0; c < head_dim; c += 8) {
       const __m256 qc = _mm256_loadu_ps(q + c);
-      const __m256 qs = _mm256_mul_ps(qc, _mm256_loadu_ps(converted + c));
+      const __m256 qs = _mm256_mul_ps(qc, _mm256_loadu_ps(scales + c));
       _mm256_storeu_ps(qs_h + c, qs);
       largest = _mm256_max_ps(largest, avx2::abs(qs));
-      dot = _mm256_fmadd_ps(qc, _mm256_loadu_ps(converted + head_dim + c), dot);
+      dot = _mm256_fmadd_ps(qc, _mm256_loadu_ps(mins + c), dot);
     }
     step[h] = avx2::reduce_max(largest);  // the largest |q·s| until the loop below
     bias[h] = avx2::reduce_add(dot);
@@ -66,6 +62,39 @@ inline bool fold_query(avx2_arch, const float* queries, index_t group, index_t h
   }
   return true;
 }
+
+/// KIVI's fold of one token group: its fp16 scales and minimums converted once for all heads
+/// into `converted` ([2][head_dim]).
+inline bool fold_query(avx2_arch arch, const float* queries, index_t group, index_t head_dim,
+                       const std::uint16_t* scales, const std::uint16_t* mins, float* converted, float* folded,
+                       std::int16_t* q16, float* step, float* bias) noexcept {
+  for (index_t c = 0; c < head_dim; c += 8) {
+    _mm256_storeu_ps(converted + c, avx2::load_halves(reinterpret_cast<const std::byte*>(scales + c)));
+    _mm256_storeu_ps(converted + head_dim + c, avx2::load_halves(reinterpret_cast<const std::byte*>(mins + c)));
+  }
+  return fold_query(arch, queries, group, head_dim, converted, converted + head_dim, folded, q16, step, bias);
+}
+
+/// What the key kernels multiply for a vector of codes in words (high byte zero): KIVI the codes
+/// themselves, KVQuant its codebook's levels as bytes (LevelBytes) through a byte shuffle.
+struct RawCodes {
+  KVPACK_ALWAYS_INLINE __m256i words(__m256i codes) const noexcept { return codes; }
+};
+
+struct ByteLevels {
+  __m256i table;
+  float step = 0.0f;  ///< LevelBytes::step
+
+  KVPACK_ALWAYS_INLINE explicit ByteLevels(const float (&levels)[16]) noexcept {
+    const LevelBytes level_bytes(levels, LevelBytes::largest(levels));
+    step = level_bytes.step;
+    table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(level_bytes.bytes)));
+  }
+  /// Bit 7 set in each high byte makes the shuffle write 0 there.
+  KVPACK_ALWAYS_INLINE __m256i words(__m256i codes) const noexcept {
+    return _mm256_shuffle_epi8(table, _mm256_or_si256(codes, _mm256_set1_epi16(static_cast<short>(0x8000))));
+  }
+};
 
 /// The 8 bytes at p.
 KVPACK_ALWAYS_INLINE __m128i load_eight(const std::uint8_t* p) noexcept {
@@ -87,10 +116,10 @@ KVPACK_ALWAYS_INLINE void store_interleaved(__m256 even, __m256 odd, float* out)
 
 /// Scores of kG heads for 16 tokens (8 bytes of each 4-bit channel row at `codes`, channel c's
 /// row row_bytes·c further on): step · Σ_c q16_c·code + bias. A prefetch step per 4 channels.
-template <int kG>
+template <int kG, class Operand>
 KVPACK_ALWAYS_INLINE void score_16_tokens(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                           const std::int16_t* q16, const float* step, const float* bias, float* scores,
-                                          index_t stride, PagePrefetcher& prefetcher) noexcept {
+                                          index_t stride, PagePrefetcher& prefetcher, const Operand& operand) noexcept {
   const __m256i mask = _mm256_set1_epi16(0x0F);
   __m256i even[kG], odd[kG];
   KVPACK_UNROLL
@@ -101,7 +130,8 @@ KVPACK_ALWAYS_INLINE void score_16_tokens(const std::uint8_t* codes, std::size_t
     for (index_t pair = c; pair < c + 4; pair += 2) {
       const std::uint8_t* row = codes + row_bytes * static_cast<std::size_t>(pair);
       const __m256i words = channel_pair_words(row, row + row_bytes);
-      const __m256i low = _mm256_and_si256(words, mask), high = _mm256_srli_epi16(words, 4);
+      const __m256i low = operand.words(_mm256_and_si256(words, mask));
+      const __m256i high = operand.words(_mm256_srli_epi16(words, 4));
       KVPACK_UNROLL
       for (int h = 0; h < kG; ++h) {
         const __m256i q = avx2::broadcast_dword(q16 + h * head_dim + pair);
@@ -121,21 +151,23 @@ KVPACK_ALWAYS_INLINE void score_16_tokens(const std::uint8_t* codes, std::size_t
 /// kivi_vnni::score_tokens on AVX2: kG ≤ 4 heads for the 32 tokens of 16 bytes of each 4-bit
 /// channel row, in two passes of 16 (four heads' accumulators of 32 tokens would not fit the 16
 /// registers). head_dim / 2 prefetch steps.
-template <int kG>
+template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void score_tokens(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                        const std::int16_t* q16, const float* step, const float* bias, float* scores,
-                                       index_t stride, PagePrefetcher& prefetcher) noexcept {
-  score_16_tokens<kG>(codes, row_bytes, head_dim, q16, step, bias, scores, stride, prefetcher);
-  score_16_tokens<kG>(codes + 8, row_bytes, head_dim, q16, step, bias, scores + 16, stride, prefetcher);
+                                       index_t stride, PagePrefetcher& prefetcher,
+                                       const Operand& operand = {}) noexcept {
+  score_16_tokens<kG>(codes, row_bytes, head_dim, q16, step, bias, scores, stride, prefetcher, operand);
+  score_16_tokens<kG>(codes + 8, row_bytes, head_dim, q16, step, bias, scores + 16, stride, prefetcher, operand);
 }
 
 /// kivi_vnni::score_tokens_2bit on AVX2: kG ≤ 2 heads for the 32 tokens of 8 bytes of each 2-bit
 /// channel row (four accumulators per head: lane k of vector j is token 4k + j). head_dim / 8
 /// prefetch steps.
-template <int kG>
+template <int kG, class Operand = RawCodes>
 KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size_t row_bytes, index_t head_dim,
                                             const std::int16_t* q16, const float* step, const float* bias,
-                                            float* scores, index_t stride, PagePrefetcher& prefetcher) noexcept {
+                                            float* scores, index_t stride, PagePrefetcher& prefetcher,
+                                            const Operand& operand = {}) noexcept {
   const __m256i mask = _mm256_set1_epi16(3);
   __m256i sum[kG][4];
   KVPACK_UNROLL
@@ -144,8 +176,10 @@ KVPACK_ALWAYS_INLINE void score_tokens_2bit(const std::uint8_t* codes, std::size
     if (c % 8 == 0) prefetcher.step();
     const std::uint8_t* row = codes + row_bytes * static_cast<std::size_t>(c);
     const __m256i words = channel_pair_words(row, row + row_bytes);
-    const __m256i code[4] = {_mm256_and_si256(words, mask), _mm256_and_si256(_mm256_srli_epi16(words, 2), mask),
-                             _mm256_and_si256(_mm256_srli_epi16(words, 4), mask), _mm256_srli_epi16(words, 6)};
+    const __m256i code[4] = {operand.words(_mm256_and_si256(words, mask)),
+                             operand.words(_mm256_and_si256(_mm256_srli_epi16(words, 2), mask)),
+                             operand.words(_mm256_and_si256(_mm256_srli_epi16(words, 4), mask)),
+                             operand.words(_mm256_srli_epi16(words, 6))};
     KVPACK_UNROLL
     for (int h = 0; h < kG; ++h) {
       const __m256i q = avx2::broadcast_dword(q16 + h * head_dim + c);
@@ -302,6 +336,76 @@ KVPACK_ALWAYS_INLINE void accumulate_channels_2bit(const std::uint8_t* codes, st
                                code[2] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
                                code[3] = _mm256_and_si256(_mm256_srli_epi16(packed, 6), mask);
                              });
+}
+
+/// KVQuant's value sums (4- or 2-bit codes) for kG ≤ 2 heads over one page and 32 channels (16 or
+/// 8 bytes of each token row at `codes`): sums[h][8j..] += step_h · Σ_t w16[h][t]·byte(code_tc),
+/// in KiviLanes<Bits, 32, avx2>'s order. The byte levels reach 255, so vpmaddubsw (the KIVI value
+/// kernels' product, ≤ 2·255·128 a pair) would saturate; instead a step widens two token rows'
+/// bytes to words, dword k holding byte k of both tokens, looks the levels up as words and
+/// multiplies them by the pair (w_t, w_t+1) on vpmaddwd: the same integers as the AVX-512 path,
+/// half as many products an instruction. The int8 weights come as int16 (|w| ≤ 128): a page's
+/// sum stays below 256·255·128. page_size / 8 prefetch steps.
+template <int Bits, int kG>
+KVPACK_ALWAYS_INLINE void accumulate_level_pairs(const std::uint8_t* codes, std::size_t row_bytes, index_t page_size,
+                                                 const std::int16_t* w16, const float* step, float* sums,
+                                                 index_t sums_stride, PagePrefetcher& prefetcher,
+                                                 const ByteLevels& levels) noexcept {
+  __m256i sum[kG][4];
+  KVPACK_UNROLL
+  for (int h = 0; h < kG; ++h) sum[h][0] = sum[h][1] = sum[h][2] = sum[h][3] = _mm256_setzero_si256();
+  for (index_t t = 0; t < page_size; t += 2) {
+    if (t % 8 == 0) prefetcher.step();
+    const std::uint8_t* row = codes + row_bytes * static_cast<std::size_t>(t);
+    __m256i level[4];
+    if constexpr (Bits == 4) {  // vectors 0..3: channels 0, 2, .., 14 | 1, .., 15 | 16, .., 30 | 17, .., 31
+      const __m256i mask = _mm256_set1_epi16(0x0F);
+      KVPACK_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const __m256i words = channel_pair_words(row + 8 * half, row + row_bytes + 8 * half);
+        level[2 * half] = levels.words(_mm256_and_si256(words, mask));
+        level[2 * half + 1] = levels.words(_mm256_srli_epi16(words, 4));
+      }
+    } else {  // vector j: channels 4k + j
+      const __m256i mask = _mm256_set1_epi16(3);
+      const __m256i words = channel_pair_words(row, row + row_bytes);
+      level[0] = levels.words(_mm256_and_si256(words, mask));
+      level[1] = levels.words(_mm256_and_si256(_mm256_srli_epi16(words, 2), mask));
+      level[2] = levels.words(_mm256_and_si256(_mm256_srli_epi16(words, 4), mask));
+      level[3] = levels.words(_mm256_srli_epi16(words, 6));
+    }
+    KVPACK_UNROLL
+    for (int h = 0; h < kG; ++h) {
+      const __m256i w = avx2::broadcast_dword(w16 + static_cast<std::size_t>(h) * page_size + t);
+      KVPACK_UNROLL
+      for (int j = 0; j < 4; ++j) sum[h][j] = _mm256_add_epi32(sum[h][j], _mm256_madd_epi16(level[j], w));
+    }
+  }
+  KVPACK_UNROLL
+  for (int h = 0; h < kG; ++h) {
+    const __m256 s = _mm256_set1_ps(step[h]);
+    float* out = sums + h * sums_stride;
+    KVPACK_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h][j]), s, _mm256_loadu_ps(out + 8 * j)));
+    }
+  }
+}
+
+/// Each head's int8 weights ([group][page_size], page_size a multiple of 16) as int16 into `w16`,
+/// and their sums: the −128 of every byte level, taken out once per page.
+inline void widen_weights(avx2_arch, const std::int8_t* w8, index_t group, index_t page_size, std::int16_t* w16,
+                          std::int32_t* sums) noexcept {
+  for (index_t h = 0; h < group; ++h) {
+    __m256i sum = _mm256_setzero_si256();
+    for (index_t t = 0; t < page_size; t += 16) {
+      const std::size_t at = static_cast<std::size_t>(h) * page_size + t;
+      const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + at)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16 + at), words);
+      sum = _mm256_add_epi32(sum, avx2::widen_pairs(words));
+    }
+    sums[h] = avx2::reduce_add(sum);
+  }
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu::kivi_avx2

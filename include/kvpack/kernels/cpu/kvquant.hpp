@@ -88,9 +88,10 @@ KVPACK_ALWAYS_INLINE simd::f32<A> load_levels(const std::byte* row, index_t firs
 /// token's score. q_c·r_c is formed in fp32: a query within a factor r_c of fp32's largest value
 /// overflows here where the decoded product might not.
 ///
-/// On AVX-512 with VNNI, every width takes KIVI's integer key products (kivi_vnni.hpp): q·r to
-/// int16 per head, once per call since the ranges are fixed, times the levels as bytes
-/// (ByteLevels); 3-bit pages are first widened to 4-bit codes (widen_3bit_codes). A score
+/// On AVX-512 with VNNI, every width takes KIVI's integer key products (kivi_vnni.hpp), and on
+/// AVX2 the 4- and 2-bit ones (kivi_avx2.hpp): q·r to int16 per head, once per call since the
+/// ranges are fixed, times the levels as bytes (LevelBytes); on AVX-512 3-bit pages are first
+/// widened to 4-bit codes (widen_3bit_codes). A score
 /// then moves by at most (d·max_c|q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254) · max|ℓ|
 /// (tests/support/error_bound.hpp).
 template <int Bits, class A>
@@ -134,43 +135,40 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
     }
     if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
   };
-#if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (kKiviVnni<A>) {
+  // The integer path (KiviIntegerKernels: AVX-512 VNNI every width, 3-bit pages widened first;
+  // AVX2 the 4- and 2-bit ones).
+  using Integer = KiviIntegerKernels<A>;
+  if constexpr (Integer::kAvailable && (kKiviVnni<A> || Bits != 3)) {
     float* steps = bias + args.group;                                 // [group]
     auto* q16 = reinterpret_cast<std::int16_t*>(steps + args.group);  // [group][head_dim]
-    const ByteLevels byte_levels(levels.level);
+    const typename Integer::ByteLevels byte_levels(levels.level);
     // d ≤ 256 keeps the int32 sums of d products |q16|·byte ≤ 32767·255 from overflowing.
     if (byte_levels.step > 0.0f && d % 16 == 0 && d <= 256 && P % 32 == 0 &&
-        kivi_vnni::fold_query(
-            args.queries, args.group, d, [&](index_t c) { return _mm512_loadu_ps(p.half_range + c); },
-            [&](index_t c) { return _mm512_loadu_ps(p.offset + c); }, folded, q16, steps, bias)) {
+        Integer::fold_query(args.queries, args.group, d, p.half_range, p.offset, folded, q16, steps, bias)) {
       for (index_t h = 0; h < args.group; ++h) {
         std::int32_t query_sum = 0;
         for (index_t c = 0; c < d; ++c) query_sum += q16[h * d + c];
         steps[h] *= byte_levels.step;
         bias[h] -= 128.0f * steps[h] * static_cast<float>(query_sum);
       }
+      constexpr int kCodeBits = Bits == 3 ? 4 : Bits;  // the layout the integer kernels read
       for (index_t i = 0; i < run.count; ++i) {
-        PagePrefetcher prefetcher(run, i, 1, P / 32 * d / (Bits == 2 ? 8 : 4));  // a step per score-loop pass
+        PagePrefetcher prefetcher(run, i, 1, P / 32 * Integer::key_steps(kCodeBits, d));
         const auto* codes = reinterpret_cast<const std::uint8_t*>(run.pages[i]);
         std::size_t code_row_bytes = row_bytes;
+#if KVPACK_KERNELS_HAVE_VNNI
         if constexpr (Bits == 3) {
           widen_3bit_codes(codes, static_cast<std::size_t>(d) * (P / 32), widened);
           codes = widened;
           code_row_bytes = P / 2;
         }
+#endif
         float* scores = args.scores + i * P;
-        for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·Bits bytes of each channel's row (widened: 16)
-          for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
-            constexpr int kG = decltype(block)::value;
-            float* out = scores + h0 * args.score_stride + 32 * k;
-            if constexpr (Bits != 2) {
-              kivi_vnni::score_tokens<kG>(codes + 16 * k, code_row_bytes, d, q16 + h0 * d, steps + h0, bias + h0,
-                                          out, args.score_stride, prefetcher, byte_levels);
-            } else {
-              kivi_vnni::score_tokens_2bit<kG>(codes + 8 * k, code_row_bytes, d, q16 + h0 * d, steps + h0, bias + h0,
-                                               out, args.score_stride, prefetcher, byte_levels);
-            }
+        for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·b bytes of each channel's row (widened: 16)
+          for_each_head_block<Integer::template kKeyHeads<kCodeBits>>(args.group, [&](auto block, index_t h0) {
+            Integer::template score<kCodeBits, decltype(block)::value>(
+                codes + 4 * kCodeBits * k, code_row_bytes, d, q16 + h0 * d, steps + h0, bias + h0,
+                scores + h0 * args.score_stride + 32 * k, args.score_stride, prefetcher, byte_levels);
           });
         }
         add_outliers_and_mask(i, scores);
@@ -178,7 +176,6 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
       return;
     }
   }
-#endif
   for (index_t h = 0; h < args.group; ++h) {
     const float* q = args.queries + h * d;
     float sum = 0.0f;
@@ -233,13 +230,15 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
     return load_levels<Bits, A>(plane + row_bytes * static_cast<std::size_t>(t), c, levels);
   };
   const index_t vector_end = d - d % kWidth;
-  // The value planes ahead (kValueKernelPrefetches): a step per pass of the integer loop (4 or 8
-  // tokens of 32 channels) where it runs, else all at once.
+  // The value planes ahead (kValueKernelPrefetches): spread over the integer loop where it runs,
+  // else all at once.
   index_t prefetch_steps = 1;
-#if KVPACK_KERNELS_HAVE_VNNI
-  // The integer path's value sums in its lane order ([group][sums_stride], put in order at the
-  // end), per head the steps, the page's largest weight and the int8 weights' sum, and the int8
-  // weights [group][page_size].
+  // The integer path (AVX-512 VNNI: every width, 3-bit pages widened to 4-bit codes; AVX2: 4- and
+  // 2-bit): the value sums in its lane order ([group][sums_stride], put in order at the end), per
+  // head the steps, the page's largest weight and the int8 weights' sum, and the int8 weights
+  // [group][page_size].
+  using Integer = KiviIntegerKernels<A>;
+  constexpr bool kInteger = Integer::kAvailable && (kKiviVnni<A> || Bits != 3);
   constexpr int kCodeBits = Bits == 3 ? 4 : Bits;  // the layout the integer kernels read
   const index_t sums_stride = kKiviSplitValueLanes<kCodeBits, A> ? 2 * d : d;
   float* sums = bias + args.group;
@@ -247,13 +246,15 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   float* head_max = steps + args.group;
   auto* weight_sums = reinterpret_cast<std::int32_t*>(head_max + args.group);
   auto* w8 = reinterpret_cast<std::int8_t*>(weight_sums + args.group);
-  const ByteLevels byte_levels(levels.level);
-  const bool integer = kKiviVnni<A> && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
+  [[maybe_unused]] float* after_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
+  const typename Integer::ByteLevels byte_levels(levels.level);
+  const bool integer = kInteger && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
-  if (integer) prefetch_steps = d / 32 * P / (kCodeBits == 4 ? 4 : 8);
+  if (integer) prefetch_steps = d / 32 * Integer::value_steps(kCodeBits, P);
+#if KVPACK_KERNELS_HAVE_VNNI
   // The outliers' multipliers and targets head-minor (nuq_outliers.hpp): one page's weights
   // [page_size][group] and the call's corrections [head_dim][group].
-  float* outlier_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
+  float* outlier_weights = after_weights;
   float* outlier_sums = outlier_weights + P * args.group;
   auto* widened = reinterpret_cast<std::uint8_t*>(outlier_sums + d * args.group);  // 3-bit pages as 4-bit
   if constexpr (kKiviVnni<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
@@ -284,13 +285,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
                                          _CMP_NLE_UQ);
       }
       if (integer && not_finite == 0) {
-        for (index_t h = 0; h < args.group; ++h) {  // weights are exp(·) ≥ 0
-          batch largest(0.0f);
-          for (index_t t = 0; t < P; t += kWidth) {
-            largest = xsimd::max(largest, batch::load_unaligned(w + h * args.weight_stride + t));
-          }
-          head_max[h] = _mm512_reduce_max_ps(largest);
-        }
+        page_head_max<A>(w, args.weight_stride, args.group, P, head_max);
         // Σ_t w·z into 16 partial sums per head (in `scaled`, unused on this path), then into bias.
         std::fill(scaled, scaled + 16 * args.group, 0.0f);
         kivi_vnni::quantize_group_weights(A{}, w, args.weight_stride, args.group, P, range, offset, head_max, scaled,
@@ -320,6 +315,35 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
               kivi_vnni::accumulate_channels_2bit<kG>(codes + 8 * k, code_row_bytes, P, wh, steps + h0, out,
                                                       sums_stride, prefetcher, byte_levels);
             }
+          });
+        }
+        summed = true;
+      }
+    }
+#endif
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+    if constexpr (kInteger && std::is_same_v<A, avx2_arch>) {
+      // Ranges are ≥ 0; one that is not finite (or NaN) sends the page to fp32.
+      const bool finite = std::all_of(range, range + P, [](float r) { return r <= std::numeric_limits<float>::max(); });
+      if (integer && finite) {
+        auto* w16 = reinterpret_cast<std::int16_t*>(after_weights);  // [group][page_size]
+        page_head_max<A>(w, args.weight_stride, args.group, P, head_max);
+        // Σ_t w·z into 8 partial sums per head (in `scaled`, unused on this path), then into bias.
+        std::fill(scaled, scaled + 8 * args.group, 0.0f);
+        kivi_avx2::quantize_group_weights(A{}, w, args.weight_stride, args.group, P, range, offset, head_max, scaled, 8,
+                                          w8, steps);
+        kivi_avx2::widen_weights(A{}, w8, args.group, P, w16, weight_sums);
+        for (index_t h = 0; h < args.group; ++h) {
+          steps[h] *= byte_levels.step;
+          bias[h] += simd::reduce_sum<A>(batch::load_unaligned(scaled + 8 * h)) -
+                     128.0f * steps[h] * static_cast<float>(weight_sums[h]);
+        }
+        const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
+        for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
+          for_each_head_block<Integer::template kValueHeads<Bits>>(args.group, [&](auto block, index_t h0) {
+            kivi_avx2::accumulate_level_pairs<Bits, decltype(block)::value>(
+                codes + 4 * Bits * k, row_bytes, P, w16 + static_cast<std::size_t>(h0) * P, steps + h0,
+                sums + h0 * sums_stride + 32 * k, sums_stride, prefetcher, byte_levels);
           });
         }
         summed = true;
@@ -369,14 +393,14 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       });
     }
   }
-#if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (kKiviVnni<A>) {
+  if constexpr (kInteger) {
     if (integer) {
       for (index_t h = 0; h < args.group; ++h) {
         add_value_sums_in_order<kCodeBits, 32, A>(sums + h * sums_stride, d, args.acc + h * d);
       }
     }
   }
+#if KVPACK_KERNELS_HAVE_VNNI
   if constexpr (kKiviVnni<A>) add_head_minor(outlier_sums, args.group, d, args.acc, d);
 #endif
   for (index_t h = 0; h < args.group; ++h) {
