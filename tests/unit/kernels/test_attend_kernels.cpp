@@ -257,16 +257,16 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KIVI groups of 64 and 12
 
 // KIVI's keys on the integer paths (AVX-512 VNNI, AVX2), each score against the int16 q·s's
 // rounding alone: the output bound lets a key kernel's slip through at these magnitudes (see
-// the test for int8, q8_0 and q4_0 above). Page sizes of one to four key groups, and pages of
-// 32 tokens, whose 4-bit channel rows lie back to back.
+// the test for int8, q8_0 and q4_0 above). Page sizes of one to four key groups (pages of 32
+// tokens have their 4-bit channel rows back to back), head_dim a multiple of the group.
 TEMPLATE_TEST_CASE("every ISA scores KIVI codes within the quantized query's bound", "[kernels][cpu]",
                    quant::KIVI<2>, quant::KIVI<4>, (quant::KIVI<2, 64>), (quant::KIVI<4, 128>)) {
   struct Case {
     index_t page_size, head_dim, pages, tail, group;
   };
-  constexpr index_t G = TestType::key_codec::kGroup;
-  const Case cases[] = {{G, 128, 6, 0, 4}, {2 * G, 64, 3, 5, 1}, {4 * G, 96, 2, 3, 3}, {G, 256, 3, 0, 8},
-                        {2 * G, 32, 3, 0, 2}};
+  constexpr index_t G = TestType::key_codec::kGroup;  // values group channels by G too
+  const Case cases[] = {{G, 128, 6, 0, 4}, {2 * G, G, 3, 5, 1}, {4 * G, 3 * G, 2, 3, 3}, {G, 256, 3, 0, 8},
+                        {2 * G, 2 * G, 3, 0, 2}};
   for (const Case& c : cases) {
     const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
     const auto keys = test::random_rows(rows, c.head_dim, 71, 4, 10.0f);  // outlier channels
