@@ -75,7 +75,7 @@ struct IsKiviCodes<quant::KiviValueCodec<Bits, Group>> : std::true_type {
   static constexpr int kBits = Bits;
 };
 
-/// KVQuant's planes, whose codes the VNNI path multiplies as byte levels (3-bit ones widened).
+/// KVQuant's planes, whose codes the integer paths multiply as byte levels (3-bit ones widened).
 template <class Codec>
 struct IsKVQuantByteLevels : std::false_type {};
 template <int Bits>
@@ -100,10 +100,10 @@ template <>
 struct IsTurboSignKeys<quant::QjlKeyCodec> : std::true_type {};
 
 /// The operands the kernels of target `isa` (kernels::cpu::isa_name) use for a codec's plane: on
-/// AVX-512 with VNNI and on AVX2, int16 for int8 and q8_0, int8 for q4_0 and KIVI's forms above;
-/// KVQuant's too (on AVX2 for 4- and 2-bit codes only); on AVX-512 also TurboQuant's; fp32
-/// everywhere else. For pages of a multiple of 16 tokens (every cache's): other page sizes, and
-/// int8 values at head_dim 8, take the fp32 path, whose bound the integer one contains.
+/// AVX-512 with VNNI and on AVX2, int16 for int8 and q8_0, int8 for q4_0 and KIVI's forms above,
+/// KVQuant's too; on AVX-512 also TurboQuant's; fp32 everywhere else. For pages of a multiple of
+/// 16 tokens (every cache's): other page sizes, and int8 values at head_dim 8, take the fp32
+/// path, whose bound the integer one contains.
 template <class Codec>
 Operands operands(std::string_view isa) {
   if (isa != "avx512" && isa != "avx2") return Operands::kFloat;
@@ -113,8 +113,7 @@ Operands operands(std::string_view isa) {
     return Operands::kInt16;
   }
   if constexpr (IsKiviCodes<Codec>::value) return Codec::kPlane == Plane::kKey ? Operands::kInt16Codes : Operands::kInt8Codes;
-  if constexpr (IsKVQuantByteLevels<Codec>::value) {  // AVX2: 4- and 2-bit codes only
-    if (isa == "avx2" && Codec::kBits == 3) return Operands::kFloat;
+  if constexpr (IsKVQuantByteLevels<Codec>::value) {
     return Codec::kPlane == Plane::kKey ? Operands::kInt16Levels : Operands::kInt8Codes;
   }
   if (isa != "avx512") return Operands::kFloat;

@@ -261,6 +261,10 @@ struct KiviIntegerKernels<xsimd::avx512bw> {
     } else {
       kivi_vnni::accumulate_channels_2bit<kG>(args...);
     }
+  }  /// KVQuant's 3-bit pages as 4-bit codes (`chunks` runs of 32 codes, a multiple of 4).
+  static KVPACK_ALWAYS_INLINE void widen_3bit_codes(const std::uint8_t* in, std::size_t chunks,
+                                                    std::uint8_t* out) noexcept {
+    cpu::widen_3bit_codes(in, chunks, out);
   }
 };
 #endif
@@ -300,6 +304,10 @@ struct KiviIntegerKernels<avx2_arch> {
     } else {
       kivi_avx2::accumulate_channels_2bit<kG>(args...);
     }
+  }  /// KVQuant's 3-bit pages as 4-bit codes (`chunks` runs of 32 codes, even).
+  static KVPACK_ALWAYS_INLINE void widen_3bit_codes(const std::uint8_t* in, std::size_t chunks,
+                                                    std::uint8_t* out) noexcept {
+    kivi_avx2::widen_3bit_codes(in, chunks, out);
   }
 };
 #endif

@@ -392,6 +392,38 @@ KVPACK_ALWAYS_INLINE void accumulate_level_pairs(const std::uint8_t* codes, std:
   }
 }
 
+/// Two runs of 32 3-bit codes (24 bytes, packed from the low bit up as get_code<3> reads them;
+/// bytes 24..31 of `bytes` are ignored) as two runs of 4-bit codes, 16 bytes each with even codes
+/// in the low nibbles, run r in 128-bit lane r: byte_levels.hpp's widen_3bit_runs in AVX2's steps.
+/// Word j of a lane takes the two bytes that hold codes 4j..4j+3 (bits 12j..12j+11), the odd
+/// words shifted down by 4 (a blend: AVX2 has no per-word shift); two shift-and-mask steps then
+/// move the four 3-bit fields to nibbles 0..3.
+KVPACK_ALWAYS_INLINE __m256i widen_3bit_runs(__m256i bytes) noexcept {
+  const __m256i spread = _mm256_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0);
+  const __m256i pairs = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11));
+  const __m256i words = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(bytes, spread), pairs);
+  const __m256i aligned = _mm256_blend_epi16(words, _mm256_srli_epi16(words, 4), 0xAA);
+  // Fields at bits 0, 3, 6, 9 to 0, 3 | 8, 11, then to 0, 4 | 8, 12; the masks clear the bits between.
+  const __m256i halves = _mm256_or_si256(_mm256_and_si256(aligned, _mm256_set1_epi16(0x003F)),
+                                         _mm256_and_si256(_mm256_slli_epi16(aligned, 2), _mm256_set1_epi16(0x3F00)));
+  return _mm256_or_si256(_mm256_and_si256(halves, _mm256_set1_epi16(0x0707)),
+                         _mm256_and_si256(_mm256_slli_epi16(halves, 1), _mm256_set1_epi16(0x7070)));
+}
+
+/// 3-bit codes rewritten as 4-bit ones for the 4-bit kernels, as byte_levels.hpp's
+/// widen_3bit_codes on AVX-512: `chunks` (even) contiguous runs of 32 codes, 12 bytes each, become
+/// 16 bytes each.
+KVPACK_ALWAYS_INLINE void widen_3bit_codes(const std::uint8_t* in, std::size_t chunks, std::uint8_t* out) noexcept {
+  const __m256i first_six_dwords = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+  for (std::size_t i = 0; i < chunks; i += 2) {
+    const auto* at = in + 12 * i;
+    // A full load reads 8 bytes past the two runs: the next runs', except on the last pass.
+    const __m256i bytes = i + 2 < chunks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                         : _mm256_maskload_epi32(reinterpret_cast<const int*>(at), first_six_dwords);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * i), widen_3bit_runs(bytes));
+  }
+}
+
 /// Each head's int8 weights ([group][page_size], page_size a multiple of 16) as int16 into `w16`,
 /// and their sums: the −128 of every byte level, taken out once per page.
 inline void widen_weights(avx2_arch, const std::int8_t* w8, index_t group, index_t page_size, std::int16_t* w16,

@@ -88,12 +88,11 @@ KVPACK_ALWAYS_INLINE simd::f32<A> load_levels(const std::byte* row, index_t firs
 /// token's score. q_c·r_c is formed in fp32: a query within a factor r_c of fp32's largest value
 /// overflows here where the decoded product might not.
 ///
-/// On AVX-512 with VNNI, every width takes KIVI's integer key products (kivi_vnni.hpp), and on
-/// AVX2 the 4- and 2-bit ones (kivi_avx2.hpp): q·r to int16 per head, once per call since the
-/// ranges are fixed, times the levels as bytes (LevelBytes); on AVX-512 3-bit pages are first
-/// widened to 4-bit codes (widen_3bit_codes). A score
-/// then moves by at most (d·max_c|q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254) · max|ℓ|
-/// (tests/support/error_bound.hpp).
+/// On AVX-512 with VNNI and on AVX2, every width takes KIVI's integer key products (kivi_vnni.hpp,
+/// kivi_avx2.hpp): q·r to int16 per head, once per call since the ranges are fixed, times the
+/// levels as bytes (LevelBytes); 3-bit pages are first widened to 4-bit codes
+/// (KiviIntegerKernels::widen_3bit_codes). A score then moves by at most
+/// (d·max_c|q_c·r_c| / 65534 + Σ_c |q_c·r_c| / 254) · max|ℓ| (tests/support/error_bound.hpp).
 template <int Bits, class A>
 void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
                 const ScoreArgs<quant::KVQuantKeyParams>& args) noexcept {
@@ -107,26 +106,27 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
   const NuqLevels levels(*p.codebook);
   const std::size_t row_bytes = Codec::row_bytes(g);
   const std::size_t capacity = quant::kvquant_detail::outlier_capacity(p.outlier_fraction, g);
-#if KVPACK_KERNELS_HAVE_VNNI
-  // The outliers' multipliers and targets head-minor (nuq_outliers.hpp), past the integer path's
-  // q16: the queries [head_dim][group] and one page's score corrections [page_size][group].
+  // Past the integer path's q16: the outliers' multipliers and targets head-minor (AVX-512 and
+  // AVX2, nuq_outliers.hpp), the queries [head_dim][group] and one page's score corrections
+  // [page_size][group]; then 3-bit pages widened to 4-bit codes.
   float* outlier_queries = bias + 2 * args.group + args.group * d / 2 + 1;
   float* outlier_scores = outlier_queries + args.group * d;
-  auto* widened = reinterpret_cast<std::uint8_t*>(outlier_scores + P * args.group);  // 3-bit pages as 4-bit
-  if constexpr (kKiviVnni<A>) to_head_minor(args.queries, d, args.group, d, outlier_queries);
+  auto* widened = reinterpret_cast<std::uint8_t*>(outlier_scores + P * args.group);
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+  if constexpr (kNuqOutlierVectors<A>) to_head_minor(A{}, args.queries, d, args.group, d, outlier_queries);
 #endif
   auto add_outliers_and_mask = [&](index_t i, float* scores) KVPACK_ALWAYS_INLINE_LAMBDA {
     const std::byte* plane = run.pages[i];
-#if KVPACK_KERNELS_HAVE_VNNI
-    if constexpr (kKiviVnni<A>) {
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+    if constexpr (kNuqOutlierVectors<A>) {
       std::fill(outlier_scores, outlier_scores + P * args.group, 0.0f);
-      add_nuq_outlier_corrections<Bits>(plane + Codec::outliers_offset(g), capacity, d,
+      add_nuq_outlier_corrections<Bits>(A{}, plane + Codec::outliers_offset(g), capacity, d,
                                         {plane, row_bytes, true, levels.level, p.half_range, p.offset,
                                          outlier_queries, outlier_scores, args.group});
-      add_head_minor(outlier_scores, args.group, P, scores, args.score_stride);
+      add_head_minor(A{}, outlier_scores, args.group, P, scores, args.score_stride);
     }
 #endif
-    if constexpr (!kKiviVnni<A>) {
+    if constexpr (!kNuqOutlierVectors<A>) {
       for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
         const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(c), t);
         const float correction = exact - (levels.level[code] * p.half_range[c] + p.offset[c]);
@@ -135,10 +135,9 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
     }
     if (run.live != nullptr) mask_dead_slots(run.live[i], P, args.group, scores, args.score_stride);
   };
-  // The integer path (KiviIntegerKernels: AVX-512 VNNI every width, 3-bit pages widened first;
-  // AVX2 the 4- and 2-bit ones).
+  // The integer path (KiviIntegerKernels: AVX-512 VNNI or AVX2, 3-bit pages widened first).
   using Integer = KiviIntegerKernels<A>;
-  if constexpr (Integer::kAvailable && (kKiviVnni<A> || Bits != 3)) {
+  if constexpr (Integer::kAvailable) {
     float* steps = bias + args.group;                                 // [group]
     auto* q16 = reinterpret_cast<std::int16_t*>(steps + args.group);  // [group][head_dim]
     const typename Integer::ByteLevels byte_levels(levels.level);
@@ -156,13 +155,11 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
         PagePrefetcher prefetcher(run, i, 1, P / 32 * Integer::key_steps(kCodeBits, d));
         const auto* codes = reinterpret_cast<const std::uint8_t*>(run.pages[i]);
         std::size_t code_row_bytes = row_bytes;
-#if KVPACK_KERNELS_HAVE_VNNI
         if constexpr (Bits == 3) {
-          widen_3bit_codes(codes, static_cast<std::size_t>(d) * (P / 32), widened);
+          Integer::widen_3bit_codes(codes, static_cast<std::size_t>(d) * (P / 32), widened);
           codes = widened;
           code_row_bytes = P / 2;
         }
-#endif
         float* scores = args.scores + i * P;
         for (index_t k = 0; k < P / 32; ++k) {  // 32 tokens, 4·b bytes of each channel's row (widened: 16)
           for_each_head_block<Integer::template kKeyHeads<kCodeBits>>(args.group, [&](auto block, index_t h0) {
@@ -204,10 +201,10 @@ void score_keys(A, std::type_identity<quant::KVQuantKeyCodec<Bits>>,
 /// tokens' ranges once, the second sum is one number per head added once per call, and an
 /// outlier adds w_t·(x − x̂_tc) to its channel.
 ///
-/// On AVX-512 with VNNI, every width takes KIVI's integer products (kivi_vnni.hpp; 3-bit pages
-/// widened to 4-bit codes first): the scaled weights w·r to int8 per head and page (step: the
-/// head's largest weight on the page times the page's largest range, / 127), the levels to bytes
-/// (ByteLevels). Per page and channel, the sum then moves by at most
+/// On AVX-512 with VNNI and on AVX2, every width takes integer products (kivi_vnni.hpp, AVX2's
+/// accumulate_level_pairs; 3-bit pages widened to 4-bit codes first): the scaled weights w·r to
+/// int8 per head and page (step: the head's largest weight on the page times the page's largest
+/// range, / 127), the levels to bytes (ByteLevels). Per page and channel, the sum then moves by at most
 /// (page max of w) / 254 · 2·P·(page max of r)·max|ℓ| (tests/support/error_bound.hpp).
 template <int Bits, class A>
 void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
@@ -233,12 +230,11 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   // The value planes ahead (kValueKernelPrefetches): spread over the integer loop where it runs,
   // else all at once.
   index_t prefetch_steps = 1;
-  // The integer path (AVX-512 VNNI: every width, 3-bit pages widened to 4-bit codes; AVX2: 4- and
-  // 2-bit): the value sums in its lane order ([group][sums_stride], put in order at the end), per
-  // head the steps, the page's largest weight and the int8 weights' sum, and the int8 weights
-  // [group][page_size].
+  // The integer path (AVX-512 VNNI or AVX2, 3-bit pages widened to 4-bit codes): the value sums
+  // in its lane order ([group][sums_stride], put in order at the end), per head the steps, the
+  // page's largest weight and the int8 weights' sum, and the int8 weights [group][page_size].
   using Integer = KiviIntegerKernels<A>;
-  constexpr bool kInteger = Integer::kAvailable && (kKiviVnni<A> || Bits != 3);
+  constexpr bool kInteger = Integer::kAvailable;
   constexpr int kCodeBits = Bits == 3 ? 4 : Bits;  // the layout the integer kernels read
   const index_t sums_stride = kKiviSplitValueLanes<kCodeBits, A> ? 2 * d : d;
   float* sums = bias + args.group;
@@ -246,19 +242,18 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   float* head_max = steps + args.group;
   auto* weight_sums = reinterpret_cast<std::int32_t*>(head_max + args.group);
   auto* w8 = reinterpret_cast<std::int8_t*>(weight_sums + args.group);
-  [[maybe_unused]] float* after_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
+  // Then the outliers' multipliers and targets head-minor (AVX-512 and AVX2, nuq_outliers.hpp),
+  // one page's weights [page_size][group] and the call's corrections [head_dim][group]; AVX2's
+  // int16 weights [group][page_size]; 3-bit pages widened to 4-bit codes.
+  float* outlier_weights = reinterpret_cast<float*>(w8) + (args.group * P + 3) / 4;
+  float* outlier_sums = outlier_weights + P * args.group;
+  auto* w16 = reinterpret_cast<std::int16_t*>(outlier_sums + d * args.group);
+  [[maybe_unused]] auto* widened = reinterpret_cast<std::uint8_t*>(w16 + args.group * P);
   const typename Integer::ByteLevels byte_levels(levels.level);
   const bool integer = kInteger && byte_levels.step > 0.0f && d % 32 == 0 && P % 16 == 0;
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
   if (integer) prefetch_steps = d / 32 * Integer::value_steps(kCodeBits, P);
-#if KVPACK_KERNELS_HAVE_VNNI
-  // The outliers' multipliers and targets head-minor (nuq_outliers.hpp): one page's weights
-  // [page_size][group] and the call's corrections [head_dim][group].
-  float* outlier_weights = after_weights;
-  float* outlier_sums = outlier_weights + P * args.group;
-  auto* widened = reinterpret_cast<std::uint8_t*>(outlier_sums + d * args.group);  // 3-bit pages as 4-bit
-  if constexpr (kKiviVnni<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
-#endif
+  if constexpr (kNuqOutlierVectors<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher prefetcher(run, i, 1, prefetch_steps, Plane::kValue);
     if (prefetch_steps == 1) prefetcher.step();
@@ -299,7 +294,7 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
         const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
         std::size_t code_row_bytes = row_bytes;
         if constexpr (Bits == 3) {
-          widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
+          Integer::widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
           codes = widened;
           code_row_bytes = d / 2;
         }
@@ -326,7 +321,6 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       // Ranges are ≥ 0; one that is not finite (or NaN) sends the page to fp32.
       const bool finite = std::all_of(range, range + P, [](float r) { return r <= std::numeric_limits<float>::max(); });
       if (integer && finite) {
-        auto* w16 = reinterpret_cast<std::int16_t*>(after_weights);  // [group][page_size]
         page_head_max<A>(w, args.weight_stride, args.group, P, head_max);
         // Σ_t w·z into 8 partial sums per head (in `scaled`, unused on this path), then into bias.
         std::fill(scaled, scaled + 8 * args.group, 0.0f);
@@ -339,10 +333,16 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
                      128.0f * steps[h] * static_cast<float>(weight_sums[h]);
         }
         const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
-        for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row
-          for_each_head_block<Integer::template kValueHeads<Bits>>(args.group, [&](auto block, index_t h0) {
-            kivi_avx2::accumulate_level_pairs<Bits, decltype(block)::value>(
-                codes + 4 * Bits * k, row_bytes, P, w16 + static_cast<std::size_t>(h0) * P, steps + h0,
+        std::size_t code_row_bytes = row_bytes;
+        if constexpr (Bits == 3) {
+          Integer::widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
+          codes = widened;
+          code_row_bytes = d / 2;
+        }
+        for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·b bytes of each token's row (widened: 16)
+          for_each_head_block<Integer::template kValueHeads<kCodeBits>>(args.group, [&](auto block, index_t h0) {
+            kivi_avx2::accumulate_level_pairs<kCodeBits, decltype(block)::value>(
+                codes + 4 * kCodeBits * k, code_row_bytes, P, w16 + static_cast<std::size_t>(h0) * P, steps + h0,
                 sums + h0 * sums_stride + 32 * k, sums_stride, prefetcher, byte_levels);
           });
         }
@@ -377,15 +377,15 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
         }
       }
     }
-#if KVPACK_KERNELS_HAVE_VNNI
-    if constexpr (kKiviVnni<A>) {
-      to_head_minor(w, args.weight_stride, args.group, P, outlier_weights);
-      add_nuq_outlier_corrections<Bits>(plane + Codec::outliers_offset(g), capacity, d,
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+    if constexpr (kNuqOutlierVectors<A>) {
+      to_head_minor(A{}, w, args.weight_stride, args.group, P, outlier_weights);
+      add_nuq_outlier_corrections<Bits>(A{}, plane + Codec::outliers_offset(g), capacity, d,
                                         {plane, row_bytes, false, levels.level, range, offset, outlier_weights,
                                          outlier_sums, args.group});
     }
 #endif
-    if constexpr (!kKiviVnni<A>) {
+    if constexpr (!kNuqOutlierVectors<A>) {
       for_each_nuq_outlier<A>(plane + Codec::outliers_offset(g), capacity, d, [&](index_t t, index_t c, float exact) {
         const unsigned code = quant::kvquant_detail::get_code<Bits>(plane + row_bytes * static_cast<std::size_t>(t), c);
         const float correction = exact - (levels.level[code] * range[t] + offset[t]);
@@ -400,8 +400,8 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
       }
     }
   }
-#if KVPACK_KERNELS_HAVE_VNNI
-  if constexpr (kKiviVnni<A>) add_head_minor(outlier_sums, args.group, d, args.acc, d);
+#if KVPACK_KERNELS_HAVE_AVX2_INTEGER
+  if constexpr (kNuqOutlierVectors<A>) add_head_minor(A{}, outlier_sums, args.group, d, args.acc, d);
 #endif
   for (index_t h = 0; h < args.group; ++h) {
     const float b = bias[h];  // a local: acc may alias bias for all the compiler knows
