@@ -10,6 +10,8 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <random>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -33,12 +35,14 @@ using test::StreamFixture;
 /// the exact one (post-RoPE keys only), with KVQuant's codebooks on the grid of their byte copies
 /// (stream_fixture.hpp): the bound on a score is then the query's rounding alone, where the
 /// bound on the output multiplies a score's by the largest value. `edit_pages` changes the
-/// encoded pages before anything reads them.
+/// encoded pages before anything reads them. With `fp32_bound`, every ISA is held to the bound of
+/// the fp32 kernels (for inputs where the integer operands round nothing).
 template <class Quantizer>
 void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, index_t tail_count,
                     index_t group, std::vector<float> keys, std::vector<float> values,
                     std::vector<float> queries, bool dead_slots, const RopeSpec* rope = nullptr, bool in_order = false,
-                    bool check_scores = false, void (*edit_pages)(StreamFixture<Quantizer>&) = nullptr) {
+                    bool check_scores = false, void (*edit_pages)(StreamFixture<Quantizer>&) = nullptr,
+                    bool fp32_bound = false) {
   using KeyCodec = typename Quantizer::key_codec;
   using ValueCodec = typename Quantizer::value_codec;
   StreamFixture<Quantizer> f(page_size, head_dim, page_count, tail_count, keys, values, check_scores);
@@ -69,7 +73,8 @@ void check_all_isas(index_t page_size, index_t head_dim, index_t page_count, ind
                                                  group, out.data(), workspace, kernel_set,
                                                  rope != nullptr ? &key_rope : nullptr, check_scores ? &record : nullptr);
     const std::string_view isa = kernels::cpu::isa_name<Arch>();
-    const double bound = error_bound(f, queries, group, isa, rope);
+    // Every target but avx512 and avx2 runs the fp32 kernels (test::operands).
+    const double bound = error_bound(f, queries, group, fp32_bound ? std::string_view("sse2") : isa, rope);
     // INFO, not a section: Catch2 runs a section of a given name once per test case, so the calls
     // that differ only in their data would skip their checks.
     INFO("isa " << kernels::cpu::isa_name<Arch>() << " P=" << page_size << " d=" << head_dim
@@ -345,6 +350,37 @@ TEMPLATE_TEST_CASE("every ISA matches the reference for KVQuant, post- and pre-R
                                  nullptr, false, true);
       }
     }
+  }
+}
+
+// The integer paths' value bound for byte levels (kInt8Codes) is the int8 weights' whole
+// rounding, as large as a slip of one level in the levels' −128 offset. With a zero query every
+// weight is 1, and with every token's range [−1, 1] (two copies of each end, so that a kept
+// outlier cannot narrow it) every int8 weight is exactly 127: the integer value sums then round
+// nothing but their fp32 steps and sums, and every ISA is held to the fp32 kernels' bound.
+TEMPLATE_TEST_CASE("KVQuant's integer value sums are exact where their weights are", "[kernels][cpu][kvquant]",
+                   quant::KVQuant<2>, quant::KVQuant<3>, quant::KVQuant<4>) {
+  struct Case {
+    index_t page_size, head_dim, pages, tail, group;
+  };
+  const Case cases[] = {{32, 128, 5, 0, 4}, {16, 64, 3, 17, 8}, {64, 32, 2, 5, 2}, {32, 64, 2, 9, 7}};
+  for (const Case& c : cases) {
+    const std::size_t rows = static_cast<std::size_t>(c.pages) * c.page_size + c.tail;
+    const auto d = static_cast<std::size_t>(c.head_dim);
+    const auto keys = test::random_rows(rows, c.head_dim, 84, 4, 10.0f);
+    std::vector<float> values(rows * d);
+    std::mt19937 rng(85);
+    std::uniform_real_distribution<float> inside(-0.9f, 0.9f);
+    for (std::size_t t = 0; t < rows; ++t) {
+      float* row = &values[t * d];
+      for (std::size_t ch = 0; ch < d; ++ch) row[ch] = inside(rng);
+      auto end = [&](std::size_t k) -> float& { return row[(5 * t + 7 * k) % d]; };  // four distinct channels
+      end(0) = end(1) = 1.0f;
+      end(2) = end(3) = -1.0f;
+    }
+    const std::vector<float> zero_queries(static_cast<std::size_t>(c.group) * d, 0.0f);
+    check_all_isas<TestType>(c.page_size, c.head_dim, c.pages, c.tail, c.group, keys, values, zero_queries, true,
+                             nullptr, false, true, nullptr, true);
   }
 }
 
