@@ -254,6 +254,18 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
   if (integer) std::fill(sums, sums + args.group * sums_stride, 0.0f);
   if (integer) prefetch_steps = d / 32 * Integer::value_steps(kCodeBits, P);
   if constexpr (kNuqOutlierVectors<A>) std::fill(outlier_sums, outlier_sums + d * args.group, 0.0f);
+  // A page's codes as the integer kernels read them: 3-bit ones widened to 4-bit rows of d / 2 bytes.
+  [[maybe_unused]] auto integer_codes = [&](const std::byte* plane, std::size_t& code_row_bytes)
+                                            KVPACK_ALWAYS_INLINE_LAMBDA -> const std::uint8_t* {
+    code_row_bytes = row_bytes;
+    const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
+    if constexpr (kInteger && Bits == 3) {
+      Integer::widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
+      code_row_bytes = d / 2;
+      return widened;
+    }
+    return codes;
+  };
   for (index_t i = 0; i < run.count; ++i) {
     PagePrefetcher prefetcher(run, i, 1, prefetch_steps, Plane::kValue);
     if (prefetch_steps == 1) prefetcher.step();
@@ -291,13 +303,8 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
           bias[h] += _mm512_reduce_add_ps(_mm512_loadu_ps(scaled + 16 * h)) -
                      128.0f * steps[h] * static_cast<float>(weight_sums[h]);
         }
-        const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
-        std::size_t code_row_bytes = row_bytes;
-        if constexpr (Bits == 3) {
-          Integer::widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
-          codes = widened;
-          code_row_bytes = d / 2;
-        }
+        std::size_t code_row_bytes = 0;
+        const std::uint8_t* codes = integer_codes(plane, code_row_bytes);
         for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·Bits bytes of each token's row (widened: 16)
           for_each_head_block<4>(args.group, [&](auto block, index_t h0) {
             constexpr int kG = decltype(block)::value;
@@ -332,13 +339,8 @@ void accumulate_values(A, std::type_identity<quant::KVQuantValueCodec<Bits>>,
           bias[h] += simd::reduce_sum<A>(batch::load_unaligned(scaled + 8 * h)) -
                      128.0f * steps[h] * static_cast<float>(weight_sums[h]);
         }
-        const auto* codes = reinterpret_cast<const std::uint8_t*>(plane);
-        std::size_t code_row_bytes = row_bytes;
-        if constexpr (Bits == 3) {
-          Integer::widen_3bit_codes(codes, static_cast<std::size_t>(P) * (d / 32), widened);
-          codes = widened;
-          code_row_bytes = d / 2;
-        }
+        std::size_t code_row_bytes = 0;
+        const std::uint8_t* codes = integer_codes(plane, code_row_bytes);
         for (index_t k = 0; k < d / 32; ++k) {  // 32 channels, 4·b bytes of each token's row (widened: 16)
           for_each_head_block<Integer::template kValueHeads<kCodeBits>>(args.group, [&](auto block, index_t h0) {
             kivi_avx2::accumulate_level_pairs<kCodeBits, decltype(block)::value>(
