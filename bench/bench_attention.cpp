@@ -14,7 +14,7 @@
 // page tables (what an engine with its own block tables calls); speedup_vs_cache_attend is
 // KVCache::attend's time on the same cache over its own.
 //
-// BM_IntegerDotPeak is the other ceiling, the AVX-512 VNNI multiply-add rate (integer_dot_peak.hpp):
+// BM_IntegerDotPeak is the other ceiling, the integer multiply-add rate (integer_dot_peak.hpp):
 // an integer kernel's GMACps against it shows how much of its time goes to work besides products.
 //
 // Counters: kv_GBps (encoded bytes read per second: pages with their scales, plus the fp32 tail),
