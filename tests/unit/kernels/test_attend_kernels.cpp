@@ -384,6 +384,47 @@ TEMPLATE_TEST_CASE("KVQuant's integer value sums are exact where their weights a
   }
 }
 
+/// The fixture's codebooks moved onto [0.1, 1], still sorted, the first level no longer below 0;
+/// with `drop_last`, their last level is dropped too (size − 1, the level zeroed), so that the
+/// codes that named it read the zero level below the first, as codes past a codebook's size do.
+template <class Quantizer, bool drop_last>
+void make_levels_positive(StreamFixture<Quantizer>& f) {
+  auto tables = std::make_shared<quant::KVQuantTables>(*f.quantizer.key.tables);
+  for (auto* codebooks : {&tables->key_codebook, &tables->value_codebook}) {
+    for (quant::nuq::Codebook& codebook : *codebooks) {
+      for (int k = 0; k < codebook.size; ++k) {
+        codebook.levels[static_cast<std::size_t>(k)] = 0.55f + 0.45f * codebook.levels[static_cast<std::size_t>(k)];
+      }
+      if (drop_last) codebook.levels[static_cast<std::size_t>(--codebook.size)] = 0.0f;
+    }
+  }
+  f.quantizer.key.tables = tables;
+  f.quantizer.value.tables = tables;
+  f.key_params = f.quantizer.key.initial_params(0, 0);
+  f.value_params = f.quantizer.value.initial_params(0, 0);
+}
+
+// The integer paths' byte levels (LevelBytes) for codebooks unlike the calibrated ones, which
+// span [−1, 1]: every byte above 128, and (with the last level dropped) a level 0 below every
+// level in use that some codes still read (a byte table shifted by its first entry, which would
+// spare AVX2 the OR that zeroes each word's high byte, misreads it).
+TEMPLATE_TEST_CASE("KVQuant's kernels read codebooks whose levels are all positive", "[kernels][cpu][kvquant]",
+                   quant::KVQuant<2>, quant::KVQuant<3>, quant::KVQuant<4>) {
+  const index_t page_size = 32, head_dim = 64, pages = 3, tail = 5, group = 4;
+  const std::size_t rows = static_cast<std::size_t>(pages) * page_size + tail;
+  const auto keys = test::random_rows(rows, head_dim, 94, 4, 10.0f);
+  const auto values = test::random_rows(rows, head_dim, 95);
+  auto queries = test::random_rows(group, head_dim, 96, 4, 3.0f);
+  for (float& q : queries) q /= 8.0f;
+  const std::vector<float> zero_queries(queries.size(), 0.0f);  // the value path's bound alone
+  for (auto edit : {&make_levels_positive<TestType, false>, &make_levels_positive<TestType, true>}) {
+    check_all_isas<TestType>(page_size, head_dim, pages, tail, group, keys, values, queries, true, nullptr, false,
+                             false, edit);
+    check_all_isas<TestType>(page_size, head_dim, pages, tail, group, keys, values, zero_queries, true, nullptr, false,
+                             false, edit);
+  }
+}
+
 TEMPLATE_TEST_CASE("KVQuant's outlier corrections carry NaN and Inf like the reference", "[kernels][cpu][kvquant]",
                    quant::KVQuant<2>, quant::KVQuant<3>, quant::KVQuant<4>) {
   // Non-finite elements lie outside every range, so the codec keeps them exactly as outliers and
