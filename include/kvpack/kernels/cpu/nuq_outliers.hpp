@@ -10,7 +10,10 @@
 /// that one vector multiply-add serves a block of heads. The one-at-a-time form spends a scalar
 /// multiply-add per head besides decoding the outlier, about as many instructions per page as the
 /// integer products themselves at the default 1 % of outliers (on AVX2, a quarter to a third of
-/// KVQuant-4's kernel time).
+/// KVQuant-4's kernel time). On the AVX2 host measured (Zen 3) the eight-lane form was no faster
+/// than that scalar loop for 4- and 2-bit pages (its three gathers per eight outliers), and
+/// faster for 3-bit ones; it was kept for one flow on both ISAs (README, "KVQuant-3 and the
+/// outlier corrections on AVX2").
 
 #include <algorithm>
 #include <bit>
