@@ -6,10 +6,10 @@
 // chain alone ran at a quarter of an instruction a cycle; at two a cycle eight must be in flight).
 // - AVX-512 VNNI: `vpdpwssd` (two int16 products per 32-bit lane: 32 MACs an instruction) and
 //   `vpdpbusd` (four u8·s8 products: 64 MACs).
-// - AVX2 without AVX-512 (its kernels: integer_avx2.hpp): no accumulating form, so each product
-//   instruction comes with an add, as in the kernels' loops: `vpmaddwd` + `vpaddd` (16 MACs) for
-//   the int16 rows, `vpmaddubsw` + `vpaddw` (32 MACs into int16 sums, as KIVI's values and q4_0
-//   take them) for the int8 ones.
+// - AVX2 (the kernels' avx2 target: a CPU without VNNI, or KVPACK_ISA=avx2; integer_avx2.hpp):
+//   no accumulating form, so each product instruction comes with an add, as in the kernels'
+//   loops: `vpmaddwd` + `vpaddd` (16 MACs) for the int16 rows, `vpmaddubsw` + `vpaddw` (32 MACs
+//   into int16 sums, as KIVI's values and q4_0 take them) for the int8 ones.
 
 #include <benchmark/benchmark.h>
 
