@@ -6,15 +6,20 @@
 ///
 /// Version 1 carries whole pages: a sequence with tokens outside pages (the full-precision tail
 /// or exact prefix, or pages an evictor freed) is rejected with kUnsupported rather than written
-/// short. Quest's page summaries are not written (a reader can recompute them from the pages).
+/// short. A chunk (PageFileOptions::first_page, page_count) needs only its own pages to hold
+/// consecutive tokens from the sequence's start (no exact prefix, nothing evicted): the tokens
+/// after them may still be in the tail. Quest's page summaries are not written (a reader can
+/// recompute them from the pages).
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,6 +30,7 @@
 #include "kvpack/io/crc32c.hpp"
 #include "kvpack/io/page_file_container.hpp"
 #include "kvpack/io/page_file_header_io.hpp"
+#include "kvpack/io/replacing_file.hpp"
 #include "kvpack/layout/layout_concepts.hpp"
 
 namespace kvpack::inline v0::io {
@@ -36,7 +42,8 @@ struct PageFileOptions {
   /// (tier::store_chunks stores every token up to the chunk's end).
   std::span<const std::int32_t> tokens;
   /// A chunk of the sequence: pages [first_page, first_page + page_count) of every stream
-  /// (page_count 0: to the end). io::append_page_file puts such a chunk after the pages before it.
+  /// (page_count 0: to the last page; tokens in the tail are not in pages and not written).
+  /// io::append_page_file puts such a chunk after the pages before it.
   std::size_t first_page = 0;
   std::size_t page_count = 0;
 };
@@ -87,18 +94,31 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
   h.slot_bytes = static_cast<std::uint64_t>(h.page_size) * 4 + h.live_mask_words() * 8;
   KVPACK_CHECK(cache.page_format_info().metadata_bytes >= h.slot_bytes, kInvalidArgument,
                "write_page_file: the pool's metadata is smaller than positions and live mask");
+  const bool chunk = options.first_page > 0 || options.page_count > 0;
   std::size_t chunk_pages = 0;  // pages per stream written: the same in every stream
   for (index_t c = 0; c < h.cache_layers; ++c) {
     const index_t writer = layout::writer_of(layout, shape, c);
     const std::int64_t tokens = cache.length(seq, writer);
     for (index_t s = 0; s < h.streams; ++s) {
       const std::size_t pages = cache.pages(seq, writer, s).size();
-      KVPACK_CHECK(static_cast<std::int64_t>(pages) * h.page_size == tokens, kUnsupported,
-                   detail::message("write_page_file: layer ", writer, " stream ", s, " of sequence ", seq, " holds ",
-                                   tokens, " tokens, ", pages * static_cast<std::size_t>(h.page_size),
-                                   " of them in pages; page files carry whole pages only (no tail, exact prefix "
-                                   "or evicted pages: use tail_tokens = 0, exact_prefix_tokens = 0, a length "
-                                   "that is a multiple of page_size and no evictor)"));
+      const std::int64_t in_pages = static_cast<std::int64_t>(pages) * h.page_size;
+      if (chunk) {
+        // Page i holds tokens [i·page_size, (i + 1)·page_size) unless an exact prefix sits before
+        // the pages or an evictor dropped tokens; the tokens after the last page are in the tail.
+        KVPACK_CHECK(cache.config().exact_prefix_tokens == 0 && cache.live_tokens(seq, writer, s) == tokens &&
+                         in_pages <= tokens,
+                     kUnsupported,
+                     detail::message("write_page_file: layer ", writer, " stream ", s, " of sequence ", seq,
+                                     " has an exact prefix or evicted tokens, so its pages do not hold consecutive "
+                                     "tokens from the start; a chunk of pages cannot be written"));
+      } else {
+        KVPACK_CHECK(in_pages == tokens, kUnsupported,
+                     detail::message("write_page_file: layer ", writer, " stream ", s, " of sequence ", seq,
+                                     " holds ", tokens, " tokens, ", in_pages,
+                                     " of them in pages; page files carry whole pages only (no tail, exact prefix "
+                                     "or evicted pages: use tail_tokens = 0, exact_prefix_tokens = 0, a length "
+                                     "that is a multiple of page_size and no evictor, or write chunks of pages)"));
+      }
       KVPACK_CHECK(options.first_page <= pages && options.page_count <= pages - options.first_page, kInvalidArgument,
                    detail::message("write_page_file: pages [", options.first_page, ", ",
                                    options.first_page + options.page_count, ") asked of layer ", writer, " stream ", s,
@@ -272,26 +292,47 @@ std::uint64_t write_page_file(int fd, const Cache& cache, SeqId seq, const PageF
   return bytes;
 }
 
-/// Writes the page file of `seq` to `path` (created or truncated), streamed as above.
+/// Writes the page file of `seq` to `path`, streamed as above. A regular file (new, or replacing
+/// one, whose permissions it keeps; through a symbolic link, the file linked to) is written
+/// under a temporary name and renamed into place (io::ReplacingFile): on any error the old file
+/// is left as it was, and a reader that has it open keeps the old bytes. Anything else that
+/// exists at `path` (a pipe, a terminal, /dev/stdout) is written in place.
 /// \throws kvpack::Error as write_page_file; kInvalidArgument when the file cannot be created or
 ///         written.
 template <class Cache>
 void write_page_file(const std::string& path, const Cache& cache, SeqId seq, const PageFileOptions& options = {}) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  KVPACK_CHECK(fd >= 0, kInvalidArgument,
-               detail::message("page file '", path, "' cannot be created: ", std::strerror(errno)));
-  try {
-    (void)write_page_file(fd, cache, seq, options);
-  } catch (const Error& error) {
-    ::close(fd);
-    if (error.code() != ErrorCode::kUnavailable) throw;
+  const auto relabel = [&](const Error& error) {
+    if (error.code() != ErrorCode::kUnavailable && error.code() != ErrorCode::kInvalidArgument) throw;
     detail::throw_error(ErrorCode::kInvalidArgument, detail::message("page file '", path, "': ", error.what()));
-  } catch (...) {
-    ::close(fd);
-    throw;
+  };
+  struct stat existing {};
+  const bool exists = ::stat(path.c_str(), &existing) == 0;
+  if (exists && !S_ISREG(existing.st_mode)) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+    KVPACK_CHECK(fd >= 0, kInvalidArgument,
+                 detail::message("page file '", path, "' cannot be opened: ", std::strerror(errno)));
+    try {
+      (void)write_page_file(fd, cache, seq, options);
+    } catch (const Error& error) {
+      ::close(fd);
+      relabel(error);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    KVPACK_CHECK(::close(fd) == 0, kInvalidArgument,
+                 detail::message("page file '", path, "': write failed: ", std::strerror(errno)));
+    return;
   }
-  KVPACK_CHECK(::close(fd) == 0, kInvalidArgument,
-               detail::message("page file '", path, "': write failed: ", std::strerror(errno)));
+  try {
+    ReplacingFile file(exists ? std::filesystem::canonical(path) : std::filesystem::path(path),
+                       ErrorCode::kInvalidArgument);
+    if (exists) file.set_mode(existing.st_mode);
+    (void)write_page_file(file.fd(), cache, seq, options);
+    file.commit();
+  } catch (const Error& error) {
+    relabel(error);
+  }
 }
 
 }  // namespace kvpack::inline v0::io

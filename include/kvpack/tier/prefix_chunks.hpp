@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -26,6 +27,7 @@
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/io/page_file.hpp"
+#include "kvpack/layout/layout_concepts.hpp"
 #include "kvpack/paging/fingerprint.hpp"
 #include "kvpack/tier/cache_identity.hpp"
 #include "kvpack/tier/tier.hpp"
@@ -40,6 +42,18 @@ void check_chunk_tokens(const Cache& cache, index_t chunk_tokens, std::string_vi
   KVPACK_CHECK(chunk_tokens > 0 && chunk_tokens % page == 0, kInvalidArgument,
                detail::message(who, ": chunk_tokens (", chunk_tokens, ") must be a positive multiple of the page size (",
                                page, ")"));
+}
+
+/// The pages every (layer, stream) of `seq` holds at least: the chunks that can be written.
+template <class Cache>
+std::size_t encoded_pages(const Cache& cache, SeqId seq) {
+  const index_t layers = layout::cache_layers(cache.layout(), cache.shape());
+  std::size_t fewest = std::numeric_limits<std::size_t>::max();
+  for (index_t c = 0; c < layers; ++c) {
+    const index_t writer = layout::writer_of(cache.layout(), cache.shape(), c);
+    for (index_t s = 0; s < cache.streams_per_layer(); ++s) fewest = std::min(fewest, cache.pages(seq, writer, s).size());
+  }
+  return fewest;
 }
 
 }  // namespace chunk_detail
@@ -70,14 +84,20 @@ template <class Cache>
   return keys;
 }
 
-/// Stores every whole chunk of sequence `seq` (its first tokens.size() tokens, whole chunks only)
-/// in `tier`. \returns the chunks written. \throws as io::write_page_file and Tier::put.
+/// Stores the whole chunks of sequence `seq` (its first tokens.size() tokens) in `tier`, as far
+/// as they are encoded in pages in every layer and stream: a chunk that reaches into the
+/// full-precision tail (tokens not yet encoded, or the last page's worth that does not fill a
+/// page) is not stored; a later call stores it once the sequence has grown past it.
+/// \returns the chunks written, from chunk 0. \throws kUnsupported for a sequence whose pages
+/// do not hold consecutive tokens from its start (an exact prefix, evicted tokens); otherwise as
+/// io::write_page_file and Tier::put.
 template <class Cache>
 std::size_t store_chunks(Tier& tier, const Cache& cache, SeqId seq, std::span<const std::int32_t> tokens,
                          std::string_view model_id, index_t chunk_tokens, std::string_view salt = {}) {
-  const std::vector<std::string> keys = chunk_keys(cache, tokens, model_id, chunk_tokens, salt);
+  std::vector<std::string> keys = chunk_keys(cache, tokens, model_id, chunk_tokens, salt);
   const std::size_t pages_per_chunk = static_cast<std::size_t>(chunk_tokens / cache.config().page_size);
   const std::size_t chunk = static_cast<std::size_t>(chunk_tokens);
+  keys.resize(std::min(keys.size(), chunk_detail::encoded_pages(cache, seq) / pages_per_chunk));
   for (std::size_t c = 0; c < keys.size(); ++c) {
     io::PageFileOptions options{std::string(model_id), tokens.first((c + 1) * chunk), c * pages_per_chunk,
                                 pages_per_chunk};

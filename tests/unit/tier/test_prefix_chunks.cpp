@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <string>
 #include <vector>
 
 #include "kvpack/kvpack.hpp"
@@ -29,7 +30,8 @@ CacheConfig pages_of_16() {
 }
 
 /// A sequence of `tokens` random tokens (the same for the same seed) in every layer.
-SeqId filled(Cache& cache, index_t tokens, std::uint32_t seed) {
+template <class AnyCache>
+SeqId filled(AnyCache& cache, index_t tokens, std::uint32_t seed) {
   const SeqId seq = cache.add_sequence();
   for (index_t layer = 0; layer < kShape.layers; ++layer) {
     const std::size_t rows = static_cast<std::size_t>(tokens) * kShape.kv_heads;
@@ -118,6 +120,53 @@ TEST_CASE("a prefix stored as chunks is found again up to where the prompt or th
     check_prefix(target, tier::fetch_prefix(host, target, ids, "another-model", kChunk), 0);
     Cache other(kShape, pages_of_16());
     check_prefix(other, tier::fetch_prefix(host, other, ids, kModel, kChunk, "tenant-2"), 0);
+  }
+}
+
+TEST_CASE("chunks are stored as far as the sequence's pages reach", "[tier][prefix]") {
+  // An engine stores a prompt's chunks right after its prefill: the prompt rarely ends on a
+  // page, and with a full-precision tail its newest tokens are not encoded yet.
+  const std::vector<std::int32_t> ids = prompt(5 * kChunk + 10);
+  tier::HostTier host(64 << 20);
+  SECTION("a prompt that ends inside a page") {
+    Cache source(kShape, pages_of_16());
+    const SeqId seq = filled(source, 5 * kChunk + 10, 5);
+    CHECK(tier::store_chunks(host, source, seq, ids, kModel, kChunk) == 5);
+    Cache target(kShape, pages_of_16());
+    check_prefix(target, tier::fetch_prefix(host, target, ids, kModel, kChunk), 5 * kChunk);
+  }
+  SECTION("a full-precision tail: the chunks before it, and the rest once it has moved on") {
+    CacheConfig config = pages_of_16();
+    config.tail_tokens = 2 * kChunk;
+    Cache source(kShape, config);
+    const SeqId seq = filled(source, 5 * kChunk + 10, 5);
+    const std::size_t pages = source.pages(seq, 0, 0).size();
+    REQUIRE(pages * 16 + static_cast<std::size_t>(source.full_precision_rows(seq, 0).count) == 5 * kChunk + 10);
+    REQUIRE(pages / 2 < 5);
+    const std::size_t stored = tier::store_chunks(host, source, seq, ids, kModel, kChunk);
+    CHECK(stored == pages / 2);
+    Cache target(kShape, config);
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, kModel, kChunk);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("chunk " + std::to_string(stored)));
+    check_prefix(target, loaded, static_cast<index_t>(stored) * kChunk);
+  }
+  SECTION("an exact prefix or evicted tokens: pages that do not start at token 0 or have gaps") {
+    CacheConfig exact = pages_of_16();
+    exact.exact_prefix_tokens = 1;
+    Cache with_sink(kShape, exact);
+    const SeqId a = filled(with_sink, 5 * kChunk, 5);
+    const auto sink_error = test::thrown_error([&] { (void)tier::store_chunks(host, with_sink, a, ids, kModel, kChunk); });
+    REQUIRE(sink_error);
+    CHECK(sink_error->code() == ErrorCode::kUnsupported);
+    CHECK_THAT(sink_error->what(), Catch::Contains("exact prefix or evicted tokens"));
+    KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> evicting(kShape, pages_of_16(), {}, {},
+                                                                       evict::StreamingLLM<>{4, evict::Uniform{64}});
+    const SeqId b = filled(evicting, 5 * kChunk, 5);
+    REQUIRE(evicting.live_tokens(b, 0, 0) < evicting.length(b, 0));
+    const auto evicted_error = test::thrown_error([&] { (void)tier::store_chunks(host, evicting, b, ids, kModel, kChunk); });
+    REQUIRE(evicted_error);
+    CHECK(evicted_error->code() == ErrorCode::kUnsupported);
+    CHECK(host.used_bytes() == 0);
   }
 }
 
