@@ -13,7 +13,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -27,6 +26,7 @@
 #include <vector>
 
 #include "kvpack/error.hpp"
+#include "kvpack/io/replacing_file.hpp"
 #include "kvpack/tier/sealed_entry.hpp"
 #include "kvpack/tier/tier.hpp"
 
@@ -61,15 +61,9 @@ class DiskTier final : public Tier {
   void put(std::string_view key, std::span<const std::byte> bytes) override {
     check_tier_key(key, "DiskTier::put");
     const std::vector<std::byte> sealed = seal(key, bytes);
-    const std::filesystem::path target = path_of(key);
-    const std::filesystem::path temporary =
-        directory_ / detail::message(".", std::string(key), ".", ::getpid(), ".", next_temporary_++, ".tmp");
-    write_file(temporary, sealed);
-    if (::rename(temporary.c_str(), target.c_str()) != 0) {
-      const int error = errno;
-      ::unlink(temporary.c_str());
-      fail("rename to", target, error);
-    }
+    io::ReplacingFile file(path_of(key), ErrorCode::kUnavailable, "DiskTier: ");
+    file.write(sealed);
+    file.commit(options_.durable);
     if (options_.durable) sync_directory();
     std::lock_guard lock(mutex_);
     ++stats_.puts;
@@ -113,57 +107,35 @@ class DiskTier final : public Tier {
                                                                  "': ", std::strerror(error)));
   }
 
-  void write_file(const std::filesystem::path& path, std::span<const std::byte> bytes) const {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) fail("create", path, errno);
-    std::size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        const int error = n < 0 ? errno : EIO;
-        ::close(fd);
-        ::unlink(path.c_str());
-        fail("write", path, error);
-      }
-      done += static_cast<std::size_t>(n);
-    }
-    const bool synced = !options_.durable || ::fsync(fd) == 0;
-    const int sync_error = errno;
-    if (::close(fd) != 0 || !synced) {
-      const int error = synced ? errno : sync_error;
-      ::unlink(path.c_str());
-      fail("finish writing", path, error);
-    }
-  }
-
   /// The whole file, or nullopt when it does not exist.
   static std::optional<std::vector<std::byte>> read_file(const std::filesystem::path& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    struct Descriptor {  // closed on every way out, the buffer's allocation failing included
+      int fd;
+      ~Descriptor() {
+        if (fd >= 0) ::close(fd);
+      }
+    } file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+    if (file.fd < 0) {
       if (errno == ENOENT) return std::nullopt;
       fail("open", path, errno);
     }
     struct stat info {};
-    if (::fstat(fd, &info) != 0) {
-      const int error = errno;
-      ::close(fd);
-      fail("stat", path, error);
+    if (::fstat(file.fd, &info) != 0) fail("stat", path, errno);
+    std::vector<std::byte> bytes;
+    try {
+      bytes.resize(static_cast<std::size_t>(info.st_size));
+    } catch (const std::exception&) {  // bad_alloc, length_error: a kvpack::Error, so callers fall back
+      detail::throw_error(ErrorCode::kUnavailable, detail::message("DiskTier: cannot read '", path.string(), "': ",
+                                                                   info.st_size, " bytes do not fit in memory"));
     }
-    std::vector<std::byte> bytes(static_cast<std::size_t>(info.st_size));
     std::size_t done = 0;
     while (done < bytes.size()) {
-      const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+      const ssize_t n = ::read(file.fd, bytes.data() + done, bytes.size() - done);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        const int error = errno;
-        ::close(fd);
-        fail("read", path, error);
-      }
+      if (n < 0) fail("read", path, errno);
       if (n == 0) break;  // shrank since fstat: unseal reports the short entry
       done += static_cast<std::size_t>(n);
     }
-    ::close(fd);
     bytes.resize(done);
     return bytes;
   }
@@ -179,7 +151,6 @@ class DiskTier final : public Tier {
 
   std::filesystem::path directory_;
   DiskTierOptions options_;
-  std::atomic<std::uint64_t> next_temporary_{0};
   mutable std::mutex mutex_;
   TierStats stats_;
 };

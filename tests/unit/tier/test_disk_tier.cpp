@@ -1,13 +1,15 @@
 // DiskTier: entries survive the tier object (another one on the same directory reads them); a file
 // cut short at any length, a flipped bit or an entry renamed to another key is reported as damaged
-// (kInvalidArgument, with the path), never returned; stray temporaries are ignored; a directory
-// that cannot be used is reported as kUnavailable.
+// (kInvalidArgument, with the path), never returned; stray temporaries are ignored; two writers
+// of one key leave one whole entry; a directory that cannot be used is reported as kUnavailable.
 
 #include <catch2/catch.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvpack/tier/disk_tier.hpp"
@@ -112,6 +114,27 @@ TEST_CASE("DiskTier reports a half-written or damaged entry instead of returning
     CHECK(disk.get("entry") == payload);
     disk.put("entry", test::pattern_bytes(10, 5));
     CHECK(disk.get("entry") == test::pattern_bytes(10, 5));
+  }
+}
+
+TEST_CASE("DiskTier objects of one process writing one key at once leave a whole entry", "[tier]") {
+  // Two tier objects on one directory (or two processes with one pid, in containers) once named
+  // their temporaries alike, wrote into the same file and left an entry mixed from both.
+  const test::ScratchDirectory scratch("disk-same-key");
+  const auto a = test::pattern_bytes(1 << 18, 1), b = test::pattern_bytes(1 << 18, 2);
+  DiskTier first(scratch.path()), second(scratch.path());
+  for (int round = 0; round < 50; ++round) {
+    std::thread writer([&] {
+      for (int i = 0; i < 4; ++i) first.put("shared", a);
+    });
+    for (int i = 0; i < 4; ++i) second.put("shared", b);
+    writer.join();
+    const std::optional<std::vector<std::byte>> entry = second.get("shared");
+    REQUIRE(entry.has_value());
+    REQUIRE((*entry == a || *entry == b));
+  }
+  for (const auto& file : std::filesystem::directory_iterator(scratch.path())) {
+    CHECK(file.path().extension() == ".kvtier");
   }
 }
 
