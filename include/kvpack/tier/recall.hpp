@@ -557,6 +557,21 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
         }
         ++stats.tokens_recalled;
       }
+      // A span counts as fetched only when each of its tokens is live or came back: a store that
+      // never held some (not written through, forgotten, a fork's prefix under its parent's id)
+      // cannot certify the rest.
+      for (std::size_t i = taken; i < target; ++i) {
+        const UnreadSpan& span = spans[order[i]];
+        for (std::int64_t p = span.first_position; p <= span.last_position; ++p) {
+          const auto position = static_cast<std::int32_t>(p);
+          KVPACK_CHECK(std::binary_search(live_positions.begin(), live_positions.end(), position) ||
+                           recalled_positions.count(position) != 0,
+                       kUnavailable,
+                       detail::message("attend_with_recall: the store holds no entry for position ", p,
+                                       " of sequence ", seq, " layer ", written_layer, " stream ", s,
+                                       ", which the cache dropped (not written through or demoted, or forgotten)"));
+        }
+      }
       for (std::size_t g = 0; g < heads; ++g) {
         recall_detail::head_scores(dropped, query, s * group + static_cast<index_t>(g), dim, scale, scores);
         recall_detail::add_scores(state[g], scores);

@@ -163,9 +163,22 @@ TEST_CASE("a dropped token the question needs is recalled from the tier, exactly
     CHECK(error->code() == ErrorCode::kUnavailable);
     CHECK_THAT(error->what(), Catch::Contains("no longer holds 'test-recall-s"));
   }
-  SECTION("forget removes the sequence's entries") {
+  SECTION("forget removes the sequence's entries, and recall then reports what it cannot fetch") {
     store.forget(seq);
     CHECK(host.used_bytes() == 0);
+    const auto error = test::thrown_error([&] { (void)tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnavailable);
+    CHECK_THAT(error->what(), Catch::Contains("holds no entry for position") && Catch::Contains("which the cache dropped"));
+  }
+  SECTION("a store written through for part of the sequence only") {
+    tier::RecallStore partial(host, "test-recall-partial", 100);
+    const std::size_t half = static_cast<std::size_t>(kTokens / 2) * kShape.kv_heads;
+    partial.write(seq, 0, kShape.kv_heads, kShape.head_dim, std::span(p.keys).first(half * kShape.head_dim),
+                  std::span(p.values).first(half * kShape.head_dim), std::span(p.positions).first(static_cast<std::size_t>(kTokens / 2)));
+    const auto error = test::thrown_error([&] { (void)tier::attend_with_recall(cache, partial, seq, 0, question, with, scale, report); });
+    REQUIRE(error);
+    CHECK(error->code() == ErrorCode::kUnavailable);
   }
 }
 
