@@ -57,8 +57,8 @@ struct CacheConfig {
   std::optional<RopeSpec> key_rope{};
   /// Set: `add_sequence(tokens)` reuses the pages of a cached prompt prefix and sequences'
   /// whole prompt pages are cached for later ones (README "Prefix sharing"). Unset: no index is
-  /// built and nothing else changes. Needs exact_prefix_tokens == 0 and an evictor that keeps
-  /// every token (else kUnsupported when the cache is built).
+  /// built and nothing else changes. Needs exact_prefix_tokens == 0 (else kUnsupported when the
+  /// cache is built); with an evictor, shared prompt tokens are pinned in every holder.
   std::optional<PrefixSharing> prefix_sharing{};
 
   void validate() const {
