@@ -157,7 +157,7 @@ Options parse(int argc, char** argv) {
     } else if (args.is("--model-budget")) {
       o.model_budget = args.number<index_t>(1, 512);
     } else if (args.is("--model-dir")) {
-      o.model_dir = std::string(args.value());
+      o.model_dir = llama2c::given_model_dir(args.value());
     } else if (args.is("--json")) {
       o.json_path = std::string(args.value());
     } else if (args.is("--csv")) {

@@ -78,7 +78,7 @@ Options parse(int argc, char** argv) {
     if (args.is("--help") || args.is("-h")) {
       o.help = true;
     } else if (args.is("--model-dir")) {
-      o.model_dir = std::string(args.value());
+      o.model_dir = llama2c::given_model_dir(args.value());
     } else if (args.is("--redis-port")) {
       o.redis_port = args.number<int>(1, 65535);
     } else if (args.is("--context")) {

@@ -60,7 +60,7 @@ Options parse(int argc, char** argv) {
     } else if (args.is("--seed")) {
       o.seed = args.number<std::uint32_t>(0, 0xFFFFFFFFu);
     } else if (args.is("--model-dir")) {
-      o.model_dir = std::string(args.value());
+      o.model_dir = llama2c::given_model_dir(args.value());
     } else if (args.is("--no-model")) {
       o.real_model = false;
     } else {

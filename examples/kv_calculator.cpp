@@ -87,26 +87,19 @@ Options parse(int argc, char** argv) {
     } else if (args.is("--list")) {
       options.list = true;
     } else if (args.is("--model")) {
-      args.once(options.model);
       options.model = std::string(args.value());
     } else if (args.is("--context")) {
-      args.once(options.context);
       options.context = args.positive<std::int64_t>();
     } else if (args.is("--batch")) {
-      args.once(options.batch);
       options.batch = args.positive<std::int64_t>();
     } else if (args.is("--format")) {
-      args.once(options.format);
       options.format = std::string(args.value());
     } else if (args.is("--kv-heads")) {
-      args.once(options.kv_heads);
       options.kv_heads = args.positive<int>();
     } else if (args.is("--share-layers")) {
-      args.once(options.share_layers);
       options.share_layers = args.positive<int>();
     } else if (args.is("--memory")) {
-      args.once(options.memory_gib);
-      options.memory_gib = args.real(examples::RealBound::kPositive);
+      options.memory_gib = args.real_in(1e-9, 1e9);  // a byte to an exbibyte
     } else {
       throw UsageError{fmt::format("unknown argument '{}'", args.name())};
     }

@@ -31,7 +31,6 @@
 namespace {
 
 namespace examples = kvpack::examples;
-using examples::RealBound;
 using examples::UsageError;
 
 constexpr std::string_view kProgram = "tier_arithmetic";
@@ -91,26 +90,19 @@ Options parse(int argc, char** argv) {
     } else if (args.is("--list")) {
       options.list = true;
     } else if (args.is("--model")) {
-      args.once(options.model);
       options.model = std::string(args.value());
     } else if (args.is("--format")) {
-      args.once(options.format);
       options.format = std::string(args.value());
     } else if (args.is("--page-tokens")) {
-      args.once(options.page_tokens);
       options.page_tokens = args.positive<std::int64_t>();
     } else if (args.is("--context")) {
-      args.once(options.context);
       options.context = args.positive<std::int64_t>();
     } else if (args.is("--bandwidth")) {
-      args.once(options.bandwidth);
-      options.bandwidth = args.real(RealBound::kPositive);
+      options.bandwidth = args.real_in(1e-6, 1e9);  // 1 kB/s to 1 EB/s
     } else if (args.is("--compute")) {
-      args.once(options.compute);
-      options.compute = args.real(RealBound::kPositive);
+      options.compute = args.real_in(1e-6, 1e12);  // 1 kFLOP/s to 1 EFLOP/s
     } else if (args.is("--latency-us")) {
-      args.once(options.latency);
-      options.latency = args.real(RealBound::kNonNegative);
+      options.latency = args.real_in(0.0, 1e9);  // up to 1000 s
     } else {
       throw UsageError{fmt::format("unknown argument '{}'", args.name())};
     }

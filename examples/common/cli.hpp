@@ -6,6 +6,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <exception>
@@ -68,6 +69,15 @@ inline double parse_real(std::string_view option, std::string_view text, RealBou
   return value;
 }
 
+/// parse_real's number, also within [low, high] (rates whose quotients must stay finite).
+inline double parse_real_in(std::string_view option, std::string_view text, double low, double high) {
+  const double value = parse_real(option, text, low > 0.0 ? RealBound::kPositive : RealBound::kNonNegative);
+  if (value < low || value > high) {
+    throw UsageError{fmt::format("{} expects a number in [{:g}, {:g}], got '{}'", option, low, high, text)};
+  }
+  return value;
+}
+
 /// `text` split at `separator`, empty items rejected.
 inline std::vector<std::string> split(std::string_view text, char separator) {
   std::vector<std::string> items;
@@ -99,7 +109,9 @@ int guarded_main(std::string_view program, Parse parse, Run run, PrintUsage prin
   }
 }
 
-/// Walks argv one option at a time: `while (args.next()) { if (args.is("--x")) ... }`.
+/// Walks argv one option at a time: `while (args.next()) { if (args.is("--x")) ... }`. An
+/// option given twice is a UsageError (no example takes one twice: the last value winning
+/// silently hides a typo), as is an empty value ("--json=" from an unset shell variable).
 class ArgReader {
  public:
   ArgReader(int argc, char** argv) : argc_(argc), argv_(argv) {}
@@ -116,24 +128,28 @@ class ArgReader {
       arg = arg.substr(0, eq);
     }
     name_ = arg;
+    if (std::find(seen_.begin(), seen_.end(), name_) != seen_.end()) {
+      throw UsageError{fmt::format("{} given more than once", name_)};
+    }
+    seen_.push_back(name_);
     return true;
   }
 
   [[nodiscard]] std::string_view name() const noexcept { return name_; }
   [[nodiscard]] bool is(std::string_view option) const noexcept { return name_ == option; }
 
-  /// The current option's value (the `=` part or the next argument).
+  /// The current option's value (the `=` part or the next argument), never empty.
   std::string_view value() {
+    std::string_view v;
     if (inline_value_) {
-      const std::string_view v = *inline_value_;
+      v = *inline_value_;
       inline_value_.reset();
-      return v;
+    } else if (index_ + 1 < argc_ && !std::string_view(argv_[index_ + 1]).starts_with("--")) {
+      // "--model --context 10" is a forgotten value, not a model called "--context".
+      v = argv_[++index_];
     }
-    // "--model --context 10" is a forgotten value, not a model called "--context".
-    if (index_ + 1 >= argc_ || std::string_view(argv_[index_ + 1]).starts_with("--")) {
-      throw UsageError{fmt::format("{} needs a value", name_)};
-    }
-    return argv_[++index_];
+    if (v.empty()) throw UsageError{fmt::format("{} needs a value", name_)};
+    return v;
   }
 
   template <class Int>
@@ -147,13 +163,7 @@ class ArgReader {
   }
 
   double real(RealBound bound) { return parse_real(name_, value(), bound); }
-
-  /// Rejects a second occurrence of an option whose value is kept in `slot`. Call it before
-  /// value(), so "--context 1 --context x" reports the repetition, not the bad number.
-  template <class T>
-  void once(const std::optional<T>& slot) const {
-    if (slot) throw UsageError{fmt::format("{} given more than once", name_)};
-  }
+  double real_in(double low, double high) { return parse_real_in(name_, value(), low, high); }
 
  private:
   int argc_;
@@ -161,6 +171,7 @@ class ArgReader {
   int index_ = 0;
   std::string_view name_;
   std::optional<std::string_view> inline_value_;
+  std::vector<std::string_view> seen_;
 };
 
 }  // namespace kvpack::inline v0::examples

@@ -7,9 +7,13 @@
 #include <fmt/core.h>
 #include <fmt/os.h>
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -31,6 +35,32 @@ inline std::vector<ParetoPoint> pareto_frontier(std::vector<ParetoPoint> points)
     if (frontier.empty() || p.error < frontier.back().error) frontier.push_back(p);
   }
   return frontier;
+}
+
+/// `text` inside a gnuplot single-quoted string: a quote is written twice.
+inline std::string gnuplot_quoted(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    out += c;
+    if (c == '\'') out += c;
+  }
+  return out;
+}
+
+/// Runs `gnuplot script` directly, not through a shell (a path is never a command); the exit
+/// status, or -1 when gnuplot could not be started (`not_found` then says whether it is missing).
+inline int run_gnuplot(const std::string& script, bool& not_found) {
+  std::string program = "gnuplot", argument = script;
+  char* argv[] = {program.data(), argument.data(), nullptr};
+  pid_t pid = 0;
+  const int error = ::posix_spawnp(&pid, "gnuplot", nullptr, nullptr, argv, environ);
+  not_found = error == ENOENT;
+  if (error != 0) return -1;
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 /// Writes `<png>.dat`, `<png>.gp` and, when gnuplot runs, `png`. Returns false (with the reason
@@ -61,18 +91,14 @@ inline bool write_pareto_plot(const std::string& png, const std::string& title, 
         "plot '{}' index 1 using 2:3 with lines lw 2 lc rgb '#999999' title 'Pareto frontier', \\\n"
         "     '{}' index 0 using 2:3 with points pt 7 ps 1.5 lc rgb '#1f77b4' notitle, \\\n"
         "     '{}' index 0 using 2:3:1 with labels offset char 1,0.6 left font ',9' noenhanced notitle\n",
-        png, title, y_label, data, data, data);
+        gnuplot_quoted(png), title, y_label, gnuplot_quoted(data), gnuplot_quoted(data), gnuplot_quoted(data));
   }
-  const std::string command = fmt::format("gnuplot '{}' 2>&1", script);
-  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
-    why = "gnuplot is not installed (cmake/install_deps.sh installs it); data and script are in " + data + " and " + script;
-    return false;
-  }
-  if (std::system(command.c_str()) != 0) {
-    why = "gnuplot failed on " + script;
-    return false;
-  }
-  return true;
+  bool not_found = false;
+  if (run_gnuplot(script, not_found) == 0) return true;
+  why = not_found ? "gnuplot is not installed (cmake/install_deps.sh installs it); data and script are in " + data +
+                        " and " + script
+                  : "gnuplot failed on " + script;
+  return false;
 }
 
 }  // namespace kvpack::inline v0::examples

@@ -58,7 +58,8 @@ void print_usage(std::FILE* to) {
              "               [--report] [--json FILE] [--dump-kv FILE]\n"
              "  --model-dir DIR  holds stories260K.bin and tok512.bin (default ${}, else {})\n"
              "  --policy NAME    KV cache policy: {}\n"
-             "  --steps N        tokens generated greedily after the prompt (default 256; never stops early)\n"
+             "  --steps N        tokens generated greedily after the prompt (default 256; never stops early;\n"
+             "                   the prompt's tokens and N fit in the model's context, 512 for stories260K)\n"
              "  --prompt TEXT    text after BOS (default: none)\n"
              "  --page-size N    tokens per cache page, a multiple of 16 in [16, 256] (default 32)\n"
              "  --report         every policy (or --policy's) against the f32 cache: loss, KL, top-1 agreement,\n"
@@ -88,6 +89,9 @@ Options parse(int argc, char** argv) {
       options.prompt = std::string(args.value());
     } else if (args.is("--page-size")) {
       options.page_size = args.number<int>(16, 256);
+      if (options.page_size % 16 != 0) {
+        throw UsageError{fmt::format("--page-size must be a multiple of 16, got {}", options.page_size)};
+      }
     } else if (args.is("--json")) {
       options.json_path = std::string(args.value());
     } else if (args.is("--dump-kv")) {

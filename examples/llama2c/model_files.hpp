@@ -8,6 +8,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <string_view>
+
+#include "../common/cli.hpp"
 
 #ifndef LLAMA2C_DEFAULT_MODEL_DIR
 #error "define LLAMA2C_DEFAULT_MODEL_DIR, the directory searched when KVPACK_MODEL_DIR is unset (CMake does)"
@@ -50,6 +53,15 @@ inline std::string missing_model_message(const ModelFiles& files) {
       "037cb335abb25d1fa9e8ecae30ed2a3a8ace9302862ebcdc05d51a6bbb10c312)\n"
       "from https://huggingface.co/karpathy/tinyllamas into one directory, and point {} (or --model-dir) at it.",
       files.checkpoint.string(), files.tokenizer.string(), kModelDirVariable);
+}
+
+/// The directory a --model-dir option names: it must hold the model, since a directory named on
+/// purpose that lacks it is a mistake, not a reason to run without the model (as the default
+/// directory's absence is). \throws kvpack::examples::UsageError otherwise.
+inline std::string given_model_dir(std::string_view dir) {
+  const ModelFiles files = model_files(dir);
+  if (!files.present()) throw kvpack::examples::UsageError{"--model-dir: " + missing_model_message(files)};
+  return std::string(dir);
 }
 
 }  // namespace llama2c

@@ -292,11 +292,31 @@ std::uint64_t write_page_file(int fd, const Cache& cache, SeqId seq, const PageF
   return bytes;
 }
 
-/// Writes the page file of `seq` to `path`, streamed as above. A regular file (new, or replacing
-/// one, whose permissions it keeps; through a symbolic link, the file linked to) is written
-/// under a temporary name and renamed into place (io::ReplacingFile): on any error the old file
-/// is left as it was, and a reader that has it open keeps the old bytes. Anything else that
-/// exists at `path` (a pipe, a terminal, /dev/stdout) is written in place.
+namespace writer_detail {
+
+/// Whether write_page_file(path) may replace `path` by renaming a temporary onto it: a new file
+/// in a directory this process can write, or a regular file named directly (not through a
+/// link: /dev/stdout redirected to a file is written where the shell has it open) that this
+/// process owns and that has no other hard link. Replacing keeps the mode, not extended
+/// attributes.
+inline bool replaceable(const std::string& path, const struct stat* existing) {
+  if (existing != nullptr &&
+      (!S_ISREG(existing->st_mode) || existing->st_nlink != 1 || existing->st_uid != ::geteuid())) {
+    return false;
+  }
+  const std::filesystem::path directory = std::filesystem::path(path).parent_path();
+  return ::access(directory.empty() ? "." : directory.c_str(), W_OK) == 0;
+}
+
+}  // namespace writer_detail
+
+/// Writes the page file of `seq` to `path`, streamed as above. Where it can (see
+/// writer_detail::replaceable: a new file, or a regular file of its own) it writes a temporary
+/// next to it and renames it into place (io::ReplacingFile): a failed or refused write leaves the
+/// old file as it was, and a reader that has it mapped keeps the old bytes. Anything else (a
+/// symbolic link, a pipe, a device, a file with other links or owner, or one in a directory it
+/// cannot write) is truncated and written in place, as open(O_TRUNC) does. The new file is not
+/// fsynced: after a power loss it may be empty (`write_page_file(fd, …)` and fsync for that).
 /// \throws kvpack::Error as write_page_file; kInvalidArgument when the file cannot be created or
 ///         written.
 template <class Cache>
@@ -306,33 +326,32 @@ void write_page_file(const std::string& path, const Cache& cache, SeqId seq, con
     detail::throw_error(ErrorCode::kInvalidArgument, detail::message("page file '", path, "': ", error.what()));
   };
   struct stat existing {};
-  const bool exists = ::stat(path.c_str(), &existing) == 0;
-  if (exists && !S_ISREG(existing.st_mode)) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
-    KVPACK_CHECK(fd >= 0, kInvalidArgument,
-                 detail::message("page file '", path, "' cannot be opened: ", std::strerror(errno)));
+  const bool exists = ::lstat(path.c_str(), &existing) == 0;
+  if (writer_detail::replaceable(path, exists ? &existing : nullptr)) {
     try {
-      (void)write_page_file(fd, cache, seq, options);
+      ReplacingFile file(path, ErrorCode::kInvalidArgument);
+      if (exists) file.set_mode(existing.st_mode);
+      (void)write_page_file(file.fd(), cache, seq, options);
+      file.commit();
     } catch (const Error& error) {
-      ::close(fd);
       relabel(error);
-    } catch (...) {
-      ::close(fd);
-      throw;
     }
-    KVPACK_CHECK(::close(fd) == 0, kInvalidArgument,
-                 detail::message("page file '", path, "': write failed: ", std::strerror(errno)));
     return;
   }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  KVPACK_CHECK(fd >= 0, kInvalidArgument,
+               detail::message("page file '", path, "' cannot be created: ", std::strerror(errno)));
   try {
-    ReplacingFile file(exists ? std::filesystem::canonical(path) : std::filesystem::path(path),
-                       ErrorCode::kInvalidArgument);
-    if (exists) file.set_mode(existing.st_mode);
-    (void)write_page_file(file.fd(), cache, seq, options);
-    file.commit();
+    (void)write_page_file(fd, cache, seq, options);
   } catch (const Error& error) {
+    ::close(fd);
     relabel(error);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
+  KVPACK_CHECK(::close(fd) == 0, kInvalidArgument,
+               detail::message("page file '", path, "': write failed: ", std::strerror(errno)));
 }
 
 }  // namespace kvpack::inline v0::io

@@ -15,9 +15,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <random>
 #include <span>
@@ -36,7 +38,8 @@ class ReplacingFile {
       : target_(std::move(target)), code_(code), who_(std::move(who)) {
     const std::filesystem::path directory = target_.parent_path();
     for (int attempt = 0;; ++attempt) {
-      temporary_ = directory / detail::message(".", target_.filename().string(), ".", ::getpid(), ".",
+      // At most 64 bytes of the name: a long one still leaves room for the suffix.
+      temporary_ = directory / detail::message(".", target_.filename().string().substr(0, 64), ".", ::getpid(), ".",
                                                next_number().fetch_add(1), ".", process_salt(), ".tmp");
       fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
       if (fd_ >= 0) return;
@@ -91,14 +94,21 @@ class ReplacingFile {
   /// Tells this process's temporaries from those of another with the same pid (containers).
   static std::uint64_t process_salt() {
     static const std::uint64_t salt = [] {
-      std::random_device device;
-      return (std::uint64_t{device()} << 32) ^ device();
+      try {
+        std::random_device device;
+        return (std::uint64_t{device()} << 32) ^ device();
+      } catch (const std::exception&) {  // no entropy source: the clock and an address still differ
+        static const int here = 0;
+        return static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+               reinterpret_cast<std::uintptr_t>(&here);
+      }
     }();
     return salt;
   }
 
   [[noreturn]] void fail(std::string_view action, const std::filesystem::path& path, int error) const {
-    detail::throw_error(code_, detail::message(who_, "cannot ", action, " '", path.string(), "': ", std::strerror(error)));
+    detail::throw_error(code_,
+                        detail::message(who_, "cannot ", action, " '", path.string(), "': ", std::strerror(error)));
   }
 
   std::filesystem::path target_;

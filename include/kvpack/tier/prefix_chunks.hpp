@@ -51,7 +51,9 @@ std::size_t encoded_pages(const Cache& cache, SeqId seq) {
   std::size_t fewest = std::numeric_limits<std::size_t>::max();
   for (index_t c = 0; c < layers; ++c) {
     const index_t writer = layout::writer_of(cache.layout(), cache.shape(), c);
-    for (index_t s = 0; s < cache.streams_per_layer(); ++s) fewest = std::min(fewest, cache.pages(seq, writer, s).size());
+    for (index_t s = 0; s < cache.streams_per_layer(); ++s) {
+      fewest = std::min(fewest, cache.pages(seq, writer, s).size());
+    }
   }
   return fewest;
 }

@@ -557,20 +557,22 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
         }
         ++stats.tokens_recalled;
       }
-      // A span counts as fetched only when each of its tokens is live or came back: a store that
-      // never held some (not written through, forgotten, a fork's prefix under its parent's id)
-      // cannot certify the rest.
+      // A span counts as fetched only when its unread tokens are all accounted for: each is live
+      // (a page Quest skipped) or came back. Positions may skip numbers, so tokens are counted,
+      // not positions walked: fewer live and recalled tokens in the span's range than it has
+      // unread means the store never held some (not written through, forgotten, a fork's
+      // prefix under its parent's id), and the rest cannot be certified.
       for (std::size_t i = taken; i < target; ++i) {
         const UnreadSpan& span = spans[order[i]];
-        for (std::int64_t p = span.first_position; p <= span.last_position; ++p) {
-          const auto position = static_cast<std::int32_t>(p);
-          KVPACK_CHECK(std::binary_search(live_positions.begin(), live_positions.end(), position) ||
-                           recalled_positions.count(position) != 0,
-                       kUnavailable,
-                       detail::message("attend_with_recall: the store holds no entry for position ", p,
-                                       " of sequence ", seq, " layer ", written_layer, " stream ", s,
-                                       ", which the cache dropped (not written through or demoted, or forgotten)"));
-        }
+        const auto live = std::upper_bound(live_positions.begin(), live_positions.end(), span.last_position) -
+                          std::lower_bound(live_positions.begin(), live_positions.end(), span.first_position);
+        const auto back = std::distance(recalled_positions.lower_bound(span.first_position),
+                                        recalled_positions.upper_bound(span.last_position));
+        KVPACK_CHECK(live + back >= span.tokens, kUnavailable,
+                     detail::message("attend_with_recall: the store holds no entry for ", span.tokens - live - back,
+                                     " of the tokens at positions ", span.first_position, "..", span.last_position,
+                                     " of sequence ", seq, " layer ", written_layer, " stream ", s,
+                                     ", which the cache dropped (not written through or demoted, or forgotten)"));
       }
       for (std::size_t g = 0; g < heads; ++g) {
         recall_detail::head_scores(dropped, query, s * group + static_cast<index_t>(g), dim, scale, scores);

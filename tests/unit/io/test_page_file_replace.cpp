@@ -1,15 +1,17 @@
 // write_page_file to a path replaces a regular file whole: a write that fails leaves the old file
-// as it was, a reader that has it mapped keeps the old bytes, its permissions are kept, a symbolic
-// link keeps pointing at the new file, no temporary is left behind; a path that is not a regular
-// file (/dev/null) is written in place.
+// as it was, a reader that has it mapped keeps the old bytes, its permissions are kept, no
+// temporary is left behind; a symbolic link or a named pipe is written in place.
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvpack/io/page_file.hpp"
@@ -70,20 +72,35 @@ TEST_CASE("write_page_file replaces a file whole or not at all", "[io][page_file
     CHECK(file_bytes(path) == second_bytes);
     CHECK(others(scratch.path(), "seq.kvpages").empty());
   }
-  SECTION("the replaced file's permissions, and a symbolic link to it, are kept") {
+  SECTION("the replaced file keeps its permissions") {
     std::filesystem::permissions(path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+    io::write_page_file(path.string(), cache, second);
+    CHECK(file_bytes(path) == second_bytes);
+    CHECK(std::filesystem::status(path).permissions() ==
+          (std::filesystem::perms::owner_read | std::filesystem::perms::owner_write));
+  }
+  SECTION("a symbolic link is written through, in place") {
     const std::filesystem::path link = scratch.path() / "latest";
     std::filesystem::create_symlink(path.filename(), link);
     io::write_page_file(link.string(), cache, second);
     CHECK(std::filesystem::is_symlink(link));
     CHECK(file_bytes(path) == second_bytes);
-    CHECK(std::filesystem::status(path).permissions() ==
-          (std::filesystem::perms::owner_read | std::filesystem::perms::owner_write));
   }
-  SECTION("a path that is not a regular file is written in place") {
-    io::write_page_file("/dev/null", cache, second);
-    struct stat info {};
-    REQUIRE(::stat("/dev/null", &info) == 0);
-    CHECK(S_ISCHR(info.st_mode));
+  SECTION("a named pipe is written in place") {
+    const std::filesystem::path pipe = scratch.path() / "pipe";
+    REQUIRE(::mkfifo(pipe.c_str(), 0600) == 0);
+    std::vector<std::byte> received;
+    std::thread reader([&] {
+      const int fd = ::open(pipe.c_str(), O_RDONLY | O_CLOEXEC);
+      std::byte buffer[65536];
+      for (ssize_t n; fd >= 0 && (n = ::read(fd, buffer, sizeof buffer)) > 0;) {
+        received.insert(received.end(), buffer, buffer + n);
+      }
+      if (fd >= 0) ::close(fd);
+    });
+    io::write_page_file(pipe.string(), cache, second);
+    reader.join();
+    CHECK(received == second_bytes);
+    CHECK(others(scratch.path(), "seq.kvpages") == std::vector<std::string>{"pipe"});
   }
 }

@@ -155,7 +155,8 @@ TEST_CASE("chunks are stored as far as the sequence's pages reach", "[tier][pref
     exact.exact_prefix_tokens = 1;
     Cache with_sink(kShape, exact);
     const SeqId a = filled(with_sink, 5 * kChunk, 5);
-    const auto sink_error = test::thrown_error([&] { (void)tier::store_chunks(host, with_sink, a, ids, kModel, kChunk); });
+    const auto sink_error =
+        test::thrown_error([&] { (void)tier::store_chunks(host, with_sink, a, ids, kModel, kChunk); });
     REQUIRE(sink_error);
     CHECK(sink_error->code() == ErrorCode::kUnsupported);
     CHECK_THAT(sink_error->what(), Catch::Contains("exact prefix or evicted tokens"));
@@ -163,7 +164,8 @@ TEST_CASE("chunks are stored as far as the sequence's pages reach", "[tier][pref
                                                                        evict::StreamingLLM<>{4, evict::Uniform{64}});
     const SeqId b = filled(evicting, 5 * kChunk, 5);
     REQUIRE(evicting.live_tokens(b, 0, 0) < evicting.length(b, 0));
-    const auto evicted_error = test::thrown_error([&] { (void)tier::store_chunks(host, evicting, b, ids, kModel, kChunk); });
+    const auto evicted_error =
+        test::thrown_error([&] { (void)tier::store_chunks(host, evicting, b, ids, kModel, kChunk); });
     REQUIRE(evicted_error);
     CHECK(evicted_error->code() == ErrorCode::kUnsupported);
     CHECK(host.used_bytes() == 0);

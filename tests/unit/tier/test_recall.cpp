@@ -166,19 +166,24 @@ TEST_CASE("a dropped token the question needs is recalled from the tier, exactly
   SECTION("forget removes the sequence's entries, and recall then reports what it cannot fetch") {
     store.forget(seq);
     CHECK(host.used_bytes() == 0);
-    const auto error = test::thrown_error([&] { (void)tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report); });
+    const auto error = test::thrown_error(
+        [&] { (void)tier::attend_with_recall(cache, store, seq, 0, question, with, scale, report); });
     REQUIRE(error);
     CHECK(error->code() == ErrorCode::kUnavailable);
-    CHECK_THAT(error->what(), Catch::Contains("holds no entry for position") && Catch::Contains("which the cache dropped"));
+    CHECK_THAT(error->what(),
+               Catch::Contains("holds no entry for") && Catch::Contains("which the cache dropped"));
   }
   SECTION("a store written through for part of the sequence only") {
     tier::RecallStore partial(host, "test-recall-partial", 100);
-    const std::size_t half = static_cast<std::size_t>(kTokens / 2) * kShape.kv_heads;
-    partial.write(seq, 0, kShape.kv_heads, kShape.head_dim, std::span(p.keys).first(half * kShape.head_dim),
-                  std::span(p.values).first(half * kShape.head_dim), std::span(p.positions).first(static_cast<std::size_t>(kTokens / 2)));
-    const auto error = test::thrown_error([&] { (void)tier::attend_with_recall(cache, partial, seq, 0, question, with, scale, report); });
+    const std::size_t tokens = static_cast<std::size_t>(kTokens / 2);
+    const std::size_t floats = tokens * kShape.kv_heads * kShape.head_dim;
+    partial.write(seq, 0, kShape.kv_heads, kShape.head_dim, std::span(p.keys).first(floats),
+                  std::span(p.values).first(floats), std::span(p.positions).first(tokens));
+    const auto error = test::thrown_error(
+        [&] { (void)tier::attend_with_recall(cache, partial, seq, 0, question, with, scale, report); });
     REQUIRE(error);
     CHECK(error->code() == ErrorCode::kUnavailable);
+    CHECK_THAT(error->what(), Catch::Contains("holds no entry for"));
   }
 }
 
@@ -556,6 +561,38 @@ TEST_CASE("a cache that dropped nothing never recalls", "[tier][recall]") {
   CHECK_FALSE(report.fired);
   CHECK(store.stats().recalls == 0);
   CHECK(store.stats().bytes_fetched == 0);
+}
+
+TEST_CASE("pages Quest skipped over positions with gaps are live, not missing from the store", "[tier][recall]") {
+  // Positions 0, 3, 6, …: a skipped page's span covers positions no token has. Nothing was
+  // dropped, so recall needs no entry and attends exactly over every token.
+  using Cache = KVCache<layout::GQA, quant::Float<float>, evict::KeepAll, select::Quest>;
+  CacheConfig config;
+  config.page_size = 16;
+  select::Quest quest;
+  quest.dense_layers = 0;
+  quest.token_budget = 64;
+  Cache cache(kShape, config, {}, {}, {}, quest);
+  const Prompt p = random_prompt(5);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  for (index_t t = 0; t < kTokens; ++t) {
+    cache.append(seq, 0, std::span<const float>(p.keys.data() + t * row, row),
+                 std::span<const float>(p.values.data() + t * row, row), 3 * t);
+  }
+  tier::HostTier host(1 << 20);
+  tier::RecallStore empty(host, "nothing-written");
+  const std::vector<float> question = question_for(p, 250, 1.0f);
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  std::vector<float> with(question.size());
+  AttendReport report;
+  report.epsilon = 1e-9;
+  CHECK(tier::attend_with_recall(cache, empty, seq, 0, question, with, scale, report) > 0);
+  REQUIRE(report.fired);
+  CHECK(empty.stats().tokens_recalled == 0);
+  const std::vector<double> exact =
+      eval::exact_attention(p.keys, p.values, kShape.kv_heads, kShape.head_dim, question, scale);
+  CHECK(largest_error(with, exact) < 1e-5);
 }
 
 TEST_CASE("RecallStore refuses writes that do not fit", "[tier][recall]") {
