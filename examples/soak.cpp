@@ -39,25 +39,28 @@ struct Options {
   std::uint32_t seed = 1;
 };
 
+/// The longest run or report interval (a typo such as 1e300 would otherwise never end).
+constexpr double kWeek = 7 * 24 * 3600.0;
+
 Options parse(int argc, char** argv) {
   Options o;
   examples::ArgReader args(argc, argv);
   while (args.next()) {
     if (args.is("--help") || args.is("-h")) {
       fmt::print("usage: soak [--seconds S] [--report-every R] [--max-growth PERCENT] [--seed N]\n"
-                 "  --seconds S          run time (default 180)\n"
-                 "  --report-every R     seconds between resident-memory lines (default 15)\n"
+                 "  --seconds S          run time, at most a week (default 180)\n"
+                 "  --report-every R     seconds between resident-memory lines, at most a week (default 15)\n"
                  "  --max-growth P       allowed growth of resident memory over the warm-up peak, percent (default 5)\n"
-                 "  --seed N             operation sequence seed (default 1)\n");
+                 "  --seed N             operation sequence seed, 0 to 4294967295 (default 1)\n");
       std::exit(0);
     } else if (args.is("--seconds")) {
-      o.seconds = args.real(examples::RealBound::kPositive);
+      o.seconds = args.real_in(1e-3, kWeek);
     } else if (args.is("--report-every")) {
-      o.report_every = args.real(examples::RealBound::kPositive);
+      o.report_every = args.real_in(1e-3, kWeek);
     } else if (args.is("--max-growth")) {
       o.max_growth_percent = args.real(examples::RealBound::kNonNegative);
     } else if (args.is("--seed")) {
-      o.seed = args.number<std::uint32_t>(0, 4'000'000'000u);
+      o.seed = args.number<std::uint32_t>(0, 0xFFFFFFFFu);
     } else {
       throw examples::UsageError{fmt::format("unknown argument '{}'", args.name())};
     }
