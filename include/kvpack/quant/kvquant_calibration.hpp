@@ -51,6 +51,13 @@ class KVQuantCalibrator {
     KVPACK_CHECK(options.outlier_fraction >= 0.0 && options.outlier_fraction <= 0.05, kInvalidConfig,
                  ::kvpack::detail::message("KVQuantCalibrator: outlier_fraction must be in [0, 0.05], got ",
                                  options.outlier_fraction));
+    // The codec packs 8 codes per Bits bytes, and the outlier candidates need two channels a side.
+    KVPACK_CHECK(shape.head_dim % 8 == 0, kInvalidConfig,
+                 ::kvpack::detail::message("KVQuantCalibrator: head_dim must be a multiple of 8, got ", shape.head_dim));
+    KVPACK_CHECK(options.skip_first_tokens >= 0 && (!options.kmeans || options.max_iterations > 0), kInvalidConfig,
+                 ::kvpack::detail::message("KVQuantCalibrator: skip_first_tokens must be >= 0 (got ",
+                                           options.skip_first_tokens, ") and max_iterations > 0 with kmeans (got ",
+                                           options.max_iterations, ")"));
     keys_.resize(static_cast<std::size_t>(shape.layers));
     values_.resize(keys_.size());
     key_weights_.resize(keys_.size());

@@ -28,6 +28,7 @@
 
 #include "kvpack/config.hpp"
 #include "kvpack/core/types.hpp"
+#include "kvpack/error.hpp"
 
 namespace kvpack::inline v0::quant {
 
@@ -146,7 +147,13 @@ class Rotation {
  public:
   Rotation() = default;
   /// `kind` kAuto picks Hadamard for a power-of-two `dim`, dense otherwise.
+  /// \throws kvpack::Error kInvalidArgument for a dim outside [1, kMaxRotationDim] (the kernels'
+  ///         buffers) or a Hadamard rotation of a dim that is not a power of two.
   Rotation(RotationKind kind, index_t dim, std::uint64_t seed) : dim_(dim), seed_(seed) {
+    KVPACK_CHECK(dim >= 1 && dim <= kMaxRotationDim, kInvalidArgument,
+                 ::kvpack::detail::message("Rotation: dim must be in [1, ", kMaxRotationDim, "], got ", dim));
+    KVPACK_CHECK(kind != RotationKind::kHadamard || is_power_of_two(dim), kInvalidArgument,
+                 ::kvpack::detail::message("Rotation: a Hadamard rotation needs a power-of-two dim, got ", dim));
     if (kind == RotationKind::kAuto) kind = is_power_of_two(dim) ? RotationKind::kHadamard : RotationKind::kDense;
     kind_ = kind;
     SeededNormal normal(seed);

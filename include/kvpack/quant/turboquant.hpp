@@ -453,6 +453,8 @@ class QjlKeyCodec {
   [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
 
   void validate(PageGeometry g) const {
+    KVPACK_CHECK(rows_ >= 0, kInvalidConfig,
+                 ::kvpack::detail::message("QJL's sketch rows must be > 0, or 0 for 2·head_dim; got ", rows_));
     KVPACK_CHECK(g.head_dim >= 1 && g.head_dim <= kMaxRotationDim, kUnsupported,
                  ::kvpack::detail::message("QJL sketches head_dim 1..", kMaxRotationDim, ", not ", g.head_dim));
     const index_t m = sketch_rows(g.head_dim);

@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <memory>
+#include <string>
+#include <utility>
 #include <random>
 #include <vector>
 
@@ -255,6 +258,40 @@ TEST_CASE("a KVQuant cache without a matching calibration is rejected", "[quant]
   CHECK_THROWS_AS((KVCache<layout::GQA, quant::KVQuant<3>>(ModelShape{1, 1, 1, 32}, {},
                                                            quant::KVQuant<3>(one_layer, 0.2))),
                   Error);  // outlier fraction above 5 %
+}
+
+TEST_CASE("KVQuant tables built by hand are checked before any codec indexes them", "[quant][kvquant][errors]") {
+  const ModelShape shape{1, 1, 1, 32};
+  const auto good = calibrate(3, 32, 51);  // 1 layer x 1 KV head
+  REQUIRE_NOTHROW((KVCache<layout::GQA, quant::KVQuant<3>>(shape, {}, quant::KVQuant<3>(good))));
+  const auto rejected = [&](auto edit) {
+    auto tables = std::make_shared<quant::KVQuantTables>(*good);
+    edit(*tables);
+    try {
+      KVCache<layout::GQA, quant::KVQuant<3>> cache(shape, {}, quant::KVQuant<3>(tables));
+    } catch (const Error& error) {
+      return error.code() == ErrorCode::kInvalidConfig && std::string(error.what()).find("KVQuantTables") != std::string::npos;
+    }
+    return false;
+  };
+  CHECK(rejected([](quant::KVQuantTables& t) { t.key_offset.clear(); }));
+  CHECK(rejected([](quant::KVQuantTables& t) { t.key_half_range[3] = 0.0f; }));
+  CHECK(rejected([](quant::KVQuantTables& t) { t.key_offset[0] = std::nanf(""); }));
+  CHECK(rejected([](quant::KVQuantTables& t) { t.value_codebook.clear(); }));
+  CHECK(rejected([](quant::KVQuantTables& t) { t.key_codebook[0].size = 16; }));  // 3 bits: 8 levels
+  CHECK(rejected([](quant::KVQuantTables& t) { std::swap(t.key_codebook[0].levels[0], t.key_codebook[0].levels[7]); }));
+  CHECK(rejected([](quant::KVQuantTables& t) { t.value_codebook[0].levels[2] = INFINITY; }));
+}
+
+TEST_CASE("KVQuantCalibrator rejects options it cannot honour", "[quant][kvquant][errors]") {
+  using Options = quant::KVQuantCalibrator::Options;
+  CHECK_THROWS_AS(quant::KVQuantCalibrator(ModelShape{1, 1, 1, 4}, Options{}), Error);  // head_dim not 8k
+  Options negative_skip;
+  negative_skip.skip_first_tokens = -1;
+  CHECK_THROWS_AS(quant::KVQuantCalibrator(ModelShape{1, 1, 1, 32}, negative_skip), Error);
+  Options no_rounds;
+  no_rounds.max_iterations = 0;
+  CHECK_THROWS_AS(quant::KVQuantCalibrator(ModelShape{1, 1, 1, 32}, no_rounds), Error);
 }
 
 TEST_CASE("Q-Norm keeps the mean and spread of the calibration samples at 2 bits", "[quant][kvquant]") {

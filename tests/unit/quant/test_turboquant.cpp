@@ -238,6 +238,10 @@ TEST_CASE("TurboQuant's and QJL's planes follow the documented byte format", "[q
   CHECK(q::QjlKeyCodec{}.nominal_bits_per_element(128) == Approx(2.125));  // m = 2d by default
   CHECK_THROWS_AS(q::QjlKeyCodec(256).validate(PageGeometry{32, 64}), kvpack::Error);  // m > 2d
   CHECK_THROWS_AS(q::QjlKeyCodec(100).validate(PageGeometry{32, 64}), kvpack::Error);  // not whole bytes
+  CHECK_THROWS_AS(q::QjlKeyCodec(-8).validate(PageGeometry{32, 64}), kvpack::Error);   // not the default
+  CHECK_THROWS_AS(q::Rotation(q::RotationKind::kDense, 2048, 1), kvpack::Error);      // beyond the buffers
+  CHECK_THROWS_AS(q::Rotation(q::RotationKind::kDense, -1, 1), kvpack::Error);
+  CHECK_THROWS_AS(q::Rotation(q::RotationKind::kHadamard, 12, 1), kvpack::Error);     // not a power of two
 }
 
 TEST_CASE("TurboQuant validates its options and keeps zero vectors zero", "[quant][turboquant]") {
