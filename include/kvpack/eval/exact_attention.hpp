@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvpack/core/types.hpp"
+#include "kvpack/error.hpp"
 
 namespace kvpack::inline v0::eval {
 
@@ -52,9 +53,18 @@ inline void exact_attention_head(StridedRows keys, StridedRows values, const flo
 inline std::vector<double> exact_attention(std::span<const float> keys, std::span<const float> values,
                                            index_t kv_heads, index_t head_dim, std::span<const float> query,
                                            double scale) {
+  const std::size_t row = static_cast<std::size_t>(kv_heads) * static_cast<std::size_t>(head_dim);
+  KVPACK_CHECK(kv_heads > 0 && head_dim > 0 && query.size() % static_cast<std::size_t>(head_dim) == 0 &&
+                   keys.size() % row == 0 && values.size() == keys.size(),
+               kInvalidArgument,
+               detail::message("exact_attention: ", keys.size(), " key and ", values.size(), " value floats and ",
+                               query.size(), " query floats are not whole rows of ", kv_heads, " KV heads x ",
+                               head_dim));
   const index_t q_heads = static_cast<index_t>(query.size() / head_dim);
+  KVPACK_CHECK(q_heads >= kv_heads && q_heads % kv_heads == 0, kInvalidArgument,
+               detail::message("exact_attention: ", q_heads, " query heads do not share ", kv_heads, " KV heads"));
   const index_t group = q_heads / kv_heads;
-  const auto tokens = static_cast<index_t>(keys.size() / (static_cast<std::size_t>(kv_heads) * head_dim));
+  const auto tokens = static_cast<index_t>(keys.size() / row);
   const std::ptrdiff_t stride = static_cast<std::ptrdiff_t>(kv_heads) * head_dim;
   std::vector<double> out(query.size());
   for (index_t h = 0; h < q_heads; ++h) {

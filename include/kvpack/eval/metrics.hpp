@@ -83,19 +83,27 @@ inline double top_k_recall(std::span<const double> p_ref, std::span<const bool> 
   return total > 0.0 ? kept_mass / total : 1.0;
 }
 
-/// Bias and variance of ⟨q, k̂⟩ − ⟨q, k⟩ accumulated over pairs (Welford's update, so long runs
-/// stay accurate). Unbiased estimators (QJL) show bias ≈ 0; MSE quantizers a shrinking bias.
+/// Bias and variance of ⟨q, k̂⟩ − ⟨q, k⟩ for unit q and k (EVAL.md §4) accumulated over pairs
+/// (Welford's update, so long runs stay accurate). Unbiased estimators (QJL) show bias ≈ 0; MSE
+/// quantizers a shrinking bias.
 class InnerProductError {
  public:
+  /// q, k and k̂ (k's reconstruction) as given; the difference is divided by ‖q‖·‖k‖, which is
+  /// the difference for q/‖q‖, k/‖k‖ and k̂/‖k‖.
   void add(std::span<const float> q, std::span<const float> k, std::span<const float> k_hat) {
     KVPACK_CHECK(q.size() == k.size() && k.size() == k_hat.size(), kInvalidArgument,
                  "InnerProductError::add: q, k and k_hat sizes differ");
-    double exact = 0.0, approx = 0.0;
+    double exact = 0.0, approx = 0.0, q_norm = 0.0, k_norm = 0.0;
     for (std::size_t c = 0; c < q.size(); ++c) {
       exact += static_cast<double>(q[c]) * k[c];
       approx += static_cast<double>(q[c]) * k_hat[c];
+      q_norm += static_cast<double>(q[c]) * q[c];
+      k_norm += static_cast<double>(k[c]) * k[c];
     }
-    add_difference(approx - exact);
+    const double norms = std::sqrt(q_norm * k_norm);
+    KVPACK_CHECK(norms > 0.0 && std::isfinite(norms), kInvalidArgument,
+                 "InnerProductError::add: q and k must be non-zero and finite");
+    add_difference((approx - exact) / norms);
   }
   void add_difference(double delta) {
     ++count_;

@@ -71,8 +71,13 @@ struct NeedleSpec {
     workload.validate();
     KVPACK_CHECK(!contexts.empty() && !depths.empty() && seeds > 0, kInvalidConfig,
                  "NeedleSpec: needs at least one context, one depth and one seed");
-    for (index_t t : contexts) {
+    for (std::size_t i = 0; i < contexts.size(); ++i) {
+      const index_t t = contexts[i];
       KVPACK_CHECK(t >= 2, kInvalidConfig, detail::message("NeedleSpec: context ", t, " is below 2 tokens"));
+      // A repeated context would put both rows' trials into the first and leave the second empty.
+      KVPACK_CHECK(std::find(contexts.begin(), contexts.begin() + static_cast<std::ptrdiff_t>(i), t) ==
+                       contexts.begin() + static_cast<std::ptrdiff_t>(i),
+                   kInvalidConfig, detail::message("NeedleSpec: context ", t, " is given twice"));
     }
     for (double d : depths) {
       KVPACK_CHECK(d >= 0.0 && d <= 1.0, kInvalidConfig, detail::message("NeedleSpec: depth ", d, " outside [0, 1]"));

@@ -238,31 +238,32 @@ struct KVQuantTraits {
                      (tables->value_encode_codebook.empty() ||
                       tables->value_encode_codebook.size() == tables->value_codebook.size()),
                  kInvalidConfig, "KVQuant's Q-Norm rounding codebooks must be absent or one per layer, like the codebooks");
-    validate_tables(*tables);
+    validate_tables(*tables, std::string_view(plane) == "key");
     validate_geometry(g, outlier_fraction);
   }
 
-  /// Tables built by hand rather than by KVQuantCalibrator: every array of its documented size,
-  /// codebooks of 2^Bits finite levels (sorted where elements are rounded to them), ranges
-  /// finite with positive half-ranges. The codecs index them without further checks.
-  static void validate_tables(const KVQuantTables& t) {
+  /// Tables built by hand rather than by KVQuantCalibrator, as far as one plane's codec reads
+  /// them (quant::Mixed pairs KVQuant with another codec, whose plane's arrays stay empty): every
+  /// array of its documented size, codebooks of 2^Bits finite levels (sorted where elements are
+  /// rounded to them), ranges finite with positive half-ranges. The codecs index them without
+  /// further checks.
+  static void validate_tables(const KVQuantTables& t, bool key_plane) {
     const auto fail = [](const char* what) {
       ::kvpack::detail::throw_error(ErrorCode::kInvalidConfig, ::kvpack::detail::message("KVQuantTables: ", what));
     };
     if (t.layers <= 0 || t.kv_heads <= 0) fail("layers and kv_heads must be positive");
     const std::size_t channels = static_cast<std::size_t>(t.layers) * t.kv_heads * t.head_dim;
-    if (t.key_offset.size() != channels || t.key_half_range.size() != channels) {
+    if (key_plane && (t.key_offset.size() != channels || t.key_half_range.size() != channels)) {
       fail("key_offset and key_half_range must hold layers x kv_heads x head_dim values");
     }
-    for (std::size_t i = 0; i < channels; ++i) {
+    for (std::size_t i = 0; key_plane && i < channels; ++i) {
       if (!std::isfinite(t.key_offset[i]) || !(t.key_half_range[i] > 0.0f && std::isfinite(t.key_half_range[i]))) {
         fail("key ranges must be finite, with half-ranges > 0");
       }
     }
-    if (t.key_codebook.size() != static_cast<std::size_t>(t.layers) ||
-        t.value_codebook.size() != static_cast<std::size_t>(t.layers)) {
-      fail("key_codebook and value_codebook must hold one codebook per layer");
-    }
+    const std::vector<nuq::Codebook>& books = key_plane ? t.key_codebook : t.value_codebook;
+    const std::vector<nuq::Codebook>& rounding = key_plane ? t.key_encode_codebook : t.value_encode_codebook;
+    if (books.size() != static_cast<std::size_t>(t.layers)) fail("a plane's codebooks must be one per layer");
     const auto check = [&](const nuq::Codebook& book, bool rounded_to) {
       if (book.size != (1 << Bits)) fail("a codebook does not have 2^bits levels");
       for (int i = 0; i < book.size; ++i) {
@@ -270,12 +271,9 @@ struct KVQuantTraits {
         if (rounded_to && i > 0 && book.levels[i - 1] > book.levels[i]) fail("a codebook rounded to is not sorted");
       }
     };
-    for (index_t l = 0; l < t.layers; ++l) {
-      const auto layer = static_cast<std::size_t>(l);
-      check(t.key_codebook[layer], t.key_encode_codebook.empty());
-      check(t.value_codebook[layer], t.value_encode_codebook.empty());
-      if (!t.key_encode_codebook.empty()) check(t.key_encode_codebook[layer], true);
-      if (!t.value_encode_codebook.empty()) check(t.value_encode_codebook[layer], true);
+    for (std::size_t layer = 0; layer < books.size(); ++layer) {
+      check(books[layer], rounding.empty());
+      if (!rounding.empty()) check(rounding[layer], true);
     }
   }
 

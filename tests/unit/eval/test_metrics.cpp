@@ -64,9 +64,13 @@ TEST_CASE("InnerProductError's bias and variance equal a two-pass computation", 
       k_hat[c] = k[c] + 0.1f * normal(rng) + 0.01f;  // noise plus a deliberate bias
     }
     stats.add(q, k, k_hat);
-    double d = 0;
-    for (int c = 0; c < 16; ++c) d += static_cast<double>(q[c]) * (static_cast<double>(k_hat[c]) - k[c]);
-    deltas.push_back(d);
+    double d = 0, qq = 0, kk = 0;
+    for (int c = 0; c < 16; ++c) {
+      d += static_cast<double>(q[c]) * (static_cast<double>(k_hat[c]) - k[c]);
+      qq += static_cast<double>(q[c]) * q[c];
+      kk += static_cast<double>(k[c]) * k[c];
+    }
+    deltas.push_back(d / std::sqrt(qq * kk));  // EVAL.md §4: unit q and k
   }
   double mean = 0;
   for (double d : deltas) mean += d;

@@ -70,6 +70,18 @@ class ForgetfulCache final : public AnyCache {
 
 }  // namespace
 
+TEST_CASE("a needle spec with a context twice, and exact attention over partial rows, are rejected",
+          "[eval][needle]") {
+  NeedleSpec twice = small_spec();
+  twice.contexts = {twice.contexts.front(), twice.contexts.front()};
+  CHECK_THROWS_AS(twice.validate(), Error);  // its trials would all land in the first row
+  const std::vector<float> keys(2 * 2 * 8), values(keys.size()), query(4 * 8);
+  CHECK_NOTHROW(exact_attention(keys, values, 2, 8, query, 1.0));
+  CHECK_THROWS_AS(exact_attention(std::span(keys).first(20), std::span(values).first(20), 2, 8, query, 1.0), Error);
+  CHECK_THROWS_AS(exact_attention(keys, values, 2, 8, std::span(query).first(12), 1.0), Error);  // a partial head
+  CHECK_THROWS_AS(exact_attention(keys, values, 4, 4, std::span(query).first(12), 1.0), Error);  // 3 heads over 4
+}
+
 TEST_CASE("KeepAll with Float codecs recalls the needle at every depth and context", "[eval][needle]") {
   const NeedleSuite suite(small_spec());
   for (const char* name : {"f32", "f16", "bf16"}) {
