@@ -148,6 +148,14 @@ class KVCache {
     }
     quantizer_.key.validate(key_geometry());
     quantizer_.value.validate(value_geometry());
+    // Codecs whose parameters were made for one model (FP8's static per-head scales, KVQuant's
+    // calibration) check its shape; their tables are indexed by model layer and KV stream.
+    if constexpr (requires { quantizer_.key.check_model(shape_.layers, streams_); }) {
+      quantizer_.key.check_model(shape_.layers, streams_);
+    }
+    if constexpr (requires { quantizer_.value.check_model(shape_.layers, streams_); }) {
+      quantizer_.value.check_model(shape_.layers, streams_);
+    }
     if constexpr (kEvicts) evictor_.validate();
     if (evict::uses_in_cache_positions(evictor_)) {
       KVPACK_CHECK(config_.key_rope.has_value(), kInvalidConfig,

@@ -77,6 +77,17 @@ struct FP8Codec {
                  ::kvpack::detail::message("FP8Options.static_scale must be finite and > 0, got ",
                                            options.static_scale));
   }
+  /// Per-head static scales are rows of the model's shape: a table for other KV heads would give
+  /// one head the scale of another, or of the next layer.
+  void check_model(index_t layers, index_t kv_heads) const {
+    if (options.calibrate || options.granularity != ScaleGranularity::kPerHead) return;
+    KVPACK_CHECK(options.kv_heads == kv_heads &&
+                     options.static_head_scales.size() == static_cast<std::size_t>(layers) * kv_heads,
+                 kInvalidConfig,
+                 ::kvpack::detail::message("FP8Options: static_head_scales hold ", options.static_head_scales.size(),
+                                           " scales in rows of ", options.kv_heads, "; the cache's model has ", layers,
+                                           " layers x ", kv_heads, " KV heads"));
+  }
   [[nodiscard]] std::size_t plane_bytes(PageGeometry g) const noexcept {
     return static_cast<std::size_t>(g.page_size) * static_cast<std::size_t>(g.head_dim);
   }

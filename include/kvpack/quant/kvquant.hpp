@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -66,6 +67,10 @@ struct KVQuantTables {
   /// affinely corrected `*_codebook` ones. [layers], or empty: rounded to `*_codebook` itself.
   std::vector<nuq::Codebook> key_encode_codebook;
   std::vector<nuq::Codebook> value_encode_codebook;
+  /// The share of elements the calibration left out of the ranges as outliers (set by
+  /// KVQuantCalibrator; empty for tables built by hand or read from a page file). A KVQuant that
+  /// keeps another share exactly would clamp elements the ranges were not fitted to: refused.
+  std::optional<double> outlier_fraction;
 
   [[nodiscard]] std::size_t bytes() const noexcept {
     return (key_offset.size() + key_half_range.size()) * sizeof(float) +
@@ -239,7 +244,20 @@ struct KVQuantTraits {
                       tables->value_encode_codebook.size() == tables->value_codebook.size()),
                  kInvalidConfig, "KVQuant's Q-Norm rounding codebooks must be absent or one per layer, like the codebooks");
     validate_tables(*tables, std::string_view(plane) == "key");
+    KVPACK_CHECK(!tables->outlier_fraction || *tables->outlier_fraction == outlier_fraction, kInvalidConfig,
+                 ::kvpack::detail::message("KVQuant's ", plane, " codec keeps ", outlier_fraction,
+                                           " of elements as outliers, but its tables were calibrated leaving out ",
+                                           tables->outlier_fraction.value_or(0.0)));
     validate_geometry(g, outlier_fraction);
+  }
+
+  /// The cache's model shape (model layers, KV streams) must be the calibration's: rows of
+  /// another shape would be read as this model's heads and layers.
+  void check_model(index_t layers, index_t kv_heads) const {
+    KVPACK_CHECK(tables != nullptr && tables->layers == layers && tables->kv_heads == kv_heads, kInvalidConfig,
+                 ::kvpack::detail::message("KVQuant's calibration covers ", tables ? tables->layers : 0, " layers x ",
+                                           tables ? tables->kv_heads : 0, " KV heads; the cache's model has ", layers,
+                                           " x ", kv_heads));
   }
 
   /// Tables built by hand rather than by KVQuantCalibrator, as far as one plane's codec reads

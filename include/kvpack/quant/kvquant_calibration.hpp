@@ -36,7 +36,7 @@ class KVQuantCalibrator {
  public:
   struct Options {
     int bits = 3;
-    double outlier_fraction = 0.01;  ///< must match the KVQuant the tables are used with
+    double outlier_fraction = 0.01;  ///< must match the KVQuant the tables are used with (checked)
     bool kmeans = true;              ///< false: the normal-float codebook
     int max_iterations = 50;
     index_t skip_first_tokens = 1;
@@ -104,6 +104,7 @@ class KVQuantCalibrator {
     tables->kv_heads = heads;
     tables->head_dim = d;
     tables->bits = options_.bits;
+    tables->outlier_fraction = options_.outlier_fraction;
     const std::size_t per_layer = static_cast<std::size_t>(heads) * d;
     tables->key_offset.resize(per_layer * shape_.layers);
     tables->key_half_range.resize(tables->key_offset.size());

@@ -91,3 +91,23 @@ TEST_CASE("one cache for the whole model (YOCO) and per-layer parameters of the 
   const auto q = test::random_rows(4, 32, 5);
   CHECK(attend(yoco, seq, 2, q) == attend(yoco, seq, 0, q));
 }
+
+TEST_CASE("per-head static FP8 scales must be rows of the model's shape", "[cache][cross_layer][errors]") {
+  // [layers][kv_heads] row-major: rows of another length would hand a head the scale of another
+  // head or layer. Both tables below are long enough for every index the cache asks for.
+  const ModelShape shape{3, 4, 2, 32};
+  quant::FP8Options options;
+  options.calibrate = false;
+  options.granularity = quant::ScaleGranularity::kPerHead;
+  options.kv_heads = 2;
+  options.static_head_scales = {0.5f, 0.25f, 2.0f, 4.0f, 8.0f, 16.0f};
+  using Cache = KVCache<layout::CrossLayer<layout::GQA, 2>, quant::FP8<quant::E4M3FN>>;
+  CHECK_NOTHROW(Cache(shape, {}, quant::FP8<quant::E4M3FN>(options)));
+  quant::FP8Options one_head_rows = options;  // 6 layers x 1 head
+  one_head_rows.kv_heads = 1;
+  CHECK_THROWS_WITH(Cache(shape, {}, quant::FP8<quant::E4M3FN>(one_head_rows)),
+                    Catch::Contains("rows of 1") && Catch::Contains("3 layers x 2 KV heads"));
+  quant::FP8Options four_layers = options;
+  four_layers.static_head_scales.insert(four_layers.static_head_scales.end(), {1.0f, 1.0f});
+  CHECK_THROWS_AS(Cache(shape, {}, quant::FP8<quant::E4M3FN>(four_layers)), Error);
+}

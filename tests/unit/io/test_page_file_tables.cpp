@@ -158,7 +158,7 @@ TEST_CASE("KVQuant page files carry Q-Norm rounding levels, outlier fractions an
     const quant::KVQuant<3> quantizer(calibration(3, 0.05, QNorm::kNo), 0.05);
     table_round_trip<layout::GQA>(quantizer);
     const std::vector<std::byte> wide = file_of(quantizer);
-    const std::vector<std::byte> narrow = file_of(quant::KVQuant<3>(calibration(3, 0.05, QNorm::kNo), 0.01));
+    const std::vector<std::byte> narrow = file_of(quant::KVQuant<3>(calibration(3, 0.01, QNorm::kNo), 0.01));
     CHECK(io::PageFileView::parse(wide).header().key_plane_bytes >
           io::PageFileView::parse(narrow).header().key_plane_bytes);
   }
@@ -195,8 +195,11 @@ TEST_CASE("a cache or quantizer with other tables than the file's is refused", "
   }
   SECTION("KVQuant: another outlier fraction") {
     const std::vector<std::byte> bytes = file_of(quant::KVQuant<3>(calibration(3, 0.01, QNorm::kNo)));
-    KVCache<layout::GQA, quant::KVQuant<3>> other(test::kPageFileShape, {},
-                                                   quant::KVQuant<3>(calibration(3, 0.01, QNorm::kNo), 0.02));
+    // The same tables without the calibration's record of its fraction (as if built by hand),
+    // so that only the fraction differs.
+    auto unrecorded = std::make_shared<quant::KVQuantTables>(*calibration(3, 0.01, QNorm::kNo));
+    unrecorded->outlier_fraction.reset();
+    KVCache<layout::GQA, quant::KVQuant<3>> other(test::kPageFileShape, {}, quant::KVQuant<3>(unrecorded, 0.02));
     CHECK(failed_load(other, bytes).code() == ErrorCode::kInvalidArgument);
   }
   SECTION("TurboQuant: another seed") {

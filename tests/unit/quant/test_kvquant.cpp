@@ -258,6 +258,20 @@ TEST_CASE("a KVQuant cache without a matching calibration is rejected", "[quant]
   CHECK_THROWS_AS((KVCache<layout::GQA, quant::KVQuant<3>>(ModelShape{1, 1, 1, 32}, {},
                                                            quant::KVQuant<3>(one_layer, 0.2))),
                   Error);  // outlier fraction above 5 %
+
+  // Tables for another model shape, though every index the cache asks for is inside them.
+  quant::KVQuantCalibrator two_heads(ModelShape{1, 2, 2, 32}, {3, 0.01, false, 50, 1, QNorm::kNever});
+  const auto keys = test::random_rows(2 * 64, 32, 52);
+  two_heads.add(0, keys, keys);
+  CHECK_THROWS_WITH((KVCache<layout::GQA, quant::KVQuant<3>>(ModelShape{1, 1, 1, 32}, {},
+                                                             quant::KVQuant<3>(two_heads.finish()))),
+                    Catch::Contains("1 layers x 2 KV heads") && Catch::Contains("model has 1 x 1"));
+  // The codec must keep the share of outliers the ranges were fitted without.
+  CHECK_NOTHROW((KVCache<layout::GQA, quant::KVQuant<3>>(ModelShape{1, 1, 1, 32}, {},
+                                                         quant::KVQuant<3>(calibrate(3, 32, 51, 0.02), 0.02))));
+  CHECK_THROWS_WITH((KVCache<layout::GQA, quant::KVQuant<3>>(ModelShape{1, 1, 1, 32}, {},
+                                                             quant::KVQuant<3>(calibrate(3, 32, 51, 0.02)))),
+                    Catch::Contains("calibrated leaving out 0.02"));
 }
 
 TEST_CASE("KVQuant tables built by hand are checked before any codec indexes them", "[quant][kvquant][errors]") {
