@@ -175,7 +175,8 @@ Options parse(int argc, char** argv) {
 struct Row {
   std::string policy, description;
   std::string not_applicable;   // why the policy cannot store this workload; empty when it ran
-  double bits_per_element = 0;  // measured, everything included
+  double bits_per_element = 0;  // measured, everything included, per element of the context
+  double bits_per_stored_element = 0;  // the same per element still held (EVAL.md §4; evictors differ)
   double payload_bits = 0;      // page payload only (the codec's own rate)
   double sequence_bytes = 0;    // one sequence of `context` tokens over 32 layers
   double kept = 1;              // share of the context's tokens the cache still holds
@@ -219,6 +220,7 @@ LayerCache measure_layer(const eval::Policy& policy, const eval::SyntheticSpec& 
   row.kept = static_cast<double>(live) / (static_cast<double>(cache.length(held.seq, 0)) * spec.kv_heads);
   row.budget_tokens = policy.budget_tokens;
   row.bits_per_element = bits.all_in * row.kept;
+  row.bits_per_stored_element = bits.all_in;
   row.payload_bits = bits.payload;
   row.sequence_bytes = static_cast<double>(memory.total()) * kModelLayers;
   row.error = eval::attention_error(cache, held.seq, 0, queries, exact);
@@ -305,7 +307,8 @@ void print_eviction(const Options& o, index_t tokens, const std::vector<Row>& ro
     if (r.budget_tokens == 0 || !r.not_applicable.empty()) continue;
     std::string budget = fmt::format("{} tokens = {}", r.budget_tokens, share(r.budget_tokens, tokens));
     for (index_t context : o.needle_contexts) budget += ", " + share(r.budget_tokens, context);
-    fmt::print("  {:<20} {}; kept {:.1f} % of the {}-token layer\n", r.policy, budget, 100.0 * r.kept, tokens);
+    fmt::print("  {:<20} {}; kept {:.1f} % of the {}-token layer, {:.3f} bits per kept element\n", r.policy, budget,
+               100.0 * r.kept, tokens, r.bits_per_stored_element);
     if (!o.needle_contexts.empty()) {
       std::string retrieved, pinned;
       for (index_t context : o.needle_contexts) {
@@ -499,7 +502,7 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
                           prefilled_json(r.model_prefilled));
     }
     file.print("    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
-               "\"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
+               "\"bits_per_stored_element\": {:.4f}, \"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
                "\"key_reconstruction_rel_error\": {:.6g}, \"value_reconstruction_rel_error\": {:.6g}, "
                "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
                "\"needle_recall\": {:.4f}, \"needle_retrieved\": {:.4f}, \"needle\": [{}], \"needle_detector\": {}, "
@@ -507,7 +510,8 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
                "\"needle_recall_by_demotion\": {}, \"real_model\": {}, "
                "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
                json_string(r.policy), json_string(r.description),
-               r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element, r.payload_bits,
+               r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element,
+               r.bits_per_stored_element, r.payload_bits,
                r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values, r.error.mean,
                r.error.p99, r.needle.recall(), r.needle.retrieval(), needle, detector,
                r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, demoted, model,
@@ -526,15 +530,16 @@ void write_csv(const std::string& path, const std::vector<Row>& rows) {
   file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,"
              "key_reconstruction_rel_error,value_reconstruction_rel_error,attention_rel_error_mean,"
              "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16,"
-             "budget_tokens,kept_fraction,needle_retrieved\n");
+             "budget_tokens,kept_fraction,needle_retrieved,bits_per_stored_element\n");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) continue;  // the table and the JSON say why
-    file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f},{},{:.4f},{:.4f}\n", r.policy,
+    file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f},{},{:.4f},{:.4f},{:.4f}\n",
+               r.policy,
                r.bits_per_element, r.payload_bits, r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values,
                r.error.mean, r.error.p99, r.needle.recall(),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.text.kl; }, "{:.6g}"),
-               r.decode_gbps, r.vs_f16, r.budget_tokens, r.kept, r.needle.retrieval());
+               r.decode_gbps, r.vs_f16, r.budget_tokens, r.kept, r.needle.retrieval(), r.bits_per_stored_element);
   }
 }
 
@@ -745,7 +750,8 @@ int run(const Options& o) {
 
   print_table(o, spec.tokens, rows, have_model);
   fmt::print("\nbits/elem: all bytes memory() reports (pages, scales, slot positions, fp32 tail, tables) per K/V "
-             "element of the context (for evictors: after eviction); payload: the encoded pages alone.\n"
+             "element of the context (for evictors: after eviction, per kept element in the eviction list below, "
+             "as EVAL.md §4 counts); payload: the encoded pages alone.\n"
              "K recon, V recon: |x_stored - x| / |x| over every stored (for evictors: kept) key and value element vs "
              "the fp32 inputs.\n"
              "rel.err: |o - o_exact| / |o_exact| per head vs exact attention on the fp32 inputs (mean, p99).\n"

@@ -161,20 +161,31 @@ inline std::vector<float> make_queries(const SyntheticSpec& spec, const LayerKV&
                                        std::span<const std::int64_t> positions, std::uint32_t query_seed,
                                        index_t exclude = -1) {
   spec.validate();
+  KVPACK_CHECK(kv.kv_heads == spec.kv_heads && kv.head_dim == spec.head_dim &&
+                   kv.keys.size() == static_cast<std::size_t>(kv.tokens) * kv.kv_heads * kv.head_dim,
+               kInvalidArgument,
+               detail::message("make_queries: K/V of ", kv.kv_heads, " heads x ", kv.head_dim, " channels (",
+                               kv.keys.size(), " key floats for ", kv.tokens, " tokens) for a spec of ",
+                               spec.kv_heads, " x ", spec.head_dim));
   std::mt19937 rng(query_seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const index_t d = spec.head_dim;
   const index_t group = spec.q_heads / spec.kv_heads;
   const double sqrt_d = std::sqrt(static_cast<double>(d));
-  // A background query of per-channel std sqrt(d) / sqrt(mean |k|^2) gives scaled scores of
-  // std ~1 against random keys.
-  double mean_norm2 = 0.0;
+  // A background query of per-channel std sqrt(d) / sqrt(mean |k|^2) gives scaled scores
+  // q·k / sqrt(d) of std ~1 against random keys (until 2026-12-07 it had 1/sqrt(mean |k|^2):
+  // std 1/sqrt(d)). Per KV head: the heads of a real model differ in key norm.
+  std::vector<double> noise(static_cast<std::size_t>(spec.kv_heads), 0.0);
   const index_t sample = std::min<index_t>(kv.tokens, 256);
-  for (index_t t = 0; t < sample; ++t) {
-    for (index_t c = 0; c < d; ++c) mean_norm2 += kv.key(t, 0)[c] * kv.key(t, 0)[c];
+  for (index_t head = 0; head < spec.kv_heads; ++head) {
+    double mean_norm2 = 0.0;
+    for (index_t t = 0; t < sample; ++t) {
+      for (index_t c = 0; c < d; ++c) mean_norm2 += static_cast<double>(kv.key(t, head)[c]) * kv.key(t, head)[c];
+    }
+    mean_norm2 /= std::max<index_t>(sample, 1);
+    // A head of zero keys scores 0 against any query: no background then.
+    if (mean_norm2 > 0.0) noise[static_cast<std::size_t>(head)] = sqrt_d / std::sqrt(mean_norm2);
   }
-  mean_norm2 /= sample;
-  const double noise = sqrt_d / std::sqrt(mean_norm2 * d);
 
   const std::vector<double> frequencies = rope_frequencies(d, spec.rope_theta);
   std::vector<float> queries(positions.size() * spec.q_heads * d);
@@ -186,7 +197,7 @@ inline std::vector<float> make_queries(const SyntheticSpec& spec, const LayerKV&
     for (index_t h = 0; h < spec.q_heads; ++h) {
       float* q = &queries[(n * spec.q_heads + h) * d];
       const index_t head = h / group;
-      for (index_t c = 0; c < d; ++c) q[c] = static_cast<float>(noise * normal(rng));
+      for (index_t c = 0; c < d; ++c) q[c] = static_cast<float>(noise[static_cast<std::size_t>(head)] * normal(rng));
       // Recency: the head's key mean rotated to the query's position; its score against token t
       // is recency_boost · Σ_j |m_j|² cos((position − t) ω_j) / |m|². K/V from a dump have no
       // recency mean: their queries get sinks and content matches only.

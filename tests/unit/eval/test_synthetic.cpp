@@ -87,3 +87,45 @@ TEST_CASE("synthetic queries show attention sinks and recency", "[eval][syntheti
   CHECK(sink_mass > 0.2);
   CHECK(recent_mass > 3 * middle_mass);
 }
+
+TEST_CASE("background query scores have std ~1 against each KV head's own keys", "[eval][synthetic]") {
+  // K/V as a dump gives them (no recency mean), with head 1's keys 10x head 0's: a background
+  // scaled by head 0's norm would give head 1 scores of std ~10.
+  SyntheticSpec spec = small_spec();
+  spec.tokens = 1024;
+  spec.sink_tokens = 0;
+  spec.content_matches = 0;
+  LayerKV kv = make_layer(spec);
+  kv.recency_means.clear();
+  for (index_t t = 0; t < kv.tokens; ++t) {
+    for (index_t c = 0; c < kv.head_dim; ++c) kv.key(t, 1)[c] *= 10.0f;
+  }
+  const int count = 8;
+  const auto queries = make_decode_queries(spec, kv, count, 3);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(spec.head_dim));
+  const index_t group = spec.q_heads / spec.kv_heads;
+  for (index_t head = 0; head < spec.kv_heads; ++head) {
+    double sum2 = 0.0;
+    std::size_t n = 0;
+    for (int query = 0; query < count; ++query) {
+      for (index_t h = head * group; h < (head + 1) * group; ++h) {
+        const float* q = &queries[(static_cast<std::size_t>(query) * spec.q_heads + h) * spec.head_dim];
+        for (index_t t = 0; t < kv.tokens; ++t) {
+          double s = 0.0;
+          for (index_t c = 0; c < spec.head_dim; ++c) s += static_cast<double>(q[c]) * kv.key(t, head)[c];
+          sum2 += (s * scale) * (s * scale);
+          ++n;
+        }
+      }
+    }
+    // 32 query rows: the std of their scores is within ~25 % of 1 (the spread of the query
+    // norms over 32 draws of d = 128 channels is ~2 %; the keys' outlier channels add more).
+    const double score_std = std::sqrt(sum2 / static_cast<double>(n));
+    INFO("KV head " << head);
+    CHECK(score_std > 0.75);
+    CHECK(score_std < 1.33);
+  }
+  LayerKV other_heads = kv;
+  other_heads.kv_heads = 1;
+  CHECK_THROWS_AS(make_decode_queries(spec, other_heads, 1, 3), Error);
+}
