@@ -46,6 +46,10 @@ struct PageFileOptions {
   /// io::append_page_file puts such a chunk after the pages before it.
   std::size_t first_page = 0;
   std::size_t page_count = 0;
+  /// Writing to a path: fsync the file (and, where it was renamed into place, its directory)
+  /// before returning, so it survives a power loss. Without it, a file that replaces an old one
+  /// is still fsynced before the rename, so a power loss leaves the old file or the new one.
+  bool durable = false;
 };
 
 namespace writer_detail {
@@ -315,8 +319,9 @@ inline bool replaceable(const std::string& path, const struct stat* existing) {
 /// next to it and renames it into place (io::ReplacingFile): a failed or refused write leaves the
 /// old file as it was, and a reader that has it mapped keeps the old bytes. Anything else (a
 /// symbolic link, a pipe, a device, a file with other links or owner, or one in a directory it
-/// cannot write) is truncated and written in place, as open(O_TRUNC) does. The new file is not
-/// fsynced: after a power loss it may be empty (`write_page_file(fd, …)` and fsync for that).
+/// cannot write) is truncated and written in place, as open(O_TRUNC) does. A replaced file is
+/// fsynced before the rename (so a power loss cannot leave it empty); `options.durable` fsyncs
+/// every file and the directory entry too.
 /// \throws kvpack::Error as write_page_file; kInvalidArgument when the file cannot be created or
 ///         written.
 template <class Cache>
@@ -332,7 +337,8 @@ void write_page_file(const std::string& path, const Cache& cache, SeqId seq, con
       ReplacingFile file(path, ErrorCode::kInvalidArgument);
       if (exists) file.set_mode(existing.st_mode);
       (void)write_page_file(file.fd(), cache, seq, options);
-      file.commit();
+      using Sync = ReplacingFile::Sync;
+      file.commit(options.durable ? Sync::kDurable : (exists ? Sync::kData : Sync::kNone));
     } catch (const Error& error) {
       relabel(error);
     }
@@ -343,6 +349,8 @@ void write_page_file(const std::string& path, const Cache& cache, SeqId seq, con
                detail::message("page file '", path, "' cannot be created: ", std::strerror(errno)));
   try {
     (void)write_page_file(fd, cache, seq, options);
+    KVPACK_CHECK(!options.durable || ::fsync(fd) == 0 || errno == EINVAL, kInvalidArgument,
+                 detail::message("fsync failed: ", std::strerror(errno)));  // EINVAL: a pipe, nothing to sync
   } catch (const Error& error) {
     ::close(fd);
     relabel(error);

@@ -72,9 +72,17 @@ class ReplacingFile {
     if (::fchmod(fd_, mode & 07777) != 0) fail("set the mode of", temporary_, errno);
   }
 
-  /// Closes the temporary (after fsync when `durable`) and renames it onto the target.
-  void commit(bool durable = false) {
-    const bool synced = !durable || ::fsync(fd_) == 0;
+  /// How far commit() takes the new file towards the disk.
+  enum class Sync : std::uint8_t {
+    kNone,       ///< rename only: after a power loss the target may be old, new or (some file
+                 ///< systems) empty
+    kData,       ///< fsync the temporary before the rename: after a power loss, old or new
+    kDurable,    ///< kData and fsync the directory after it: the new file survives a power loss
+  };
+
+  /// Closes the temporary (after fsync, per `sync`) and renames it onto the target.
+  void commit(Sync sync = Sync::kNone) {
+    const bool synced = sync == Sync::kNone || ::fsync(fd_) == 0;
     const int sync_error = errno;
     const int closed = ::close(fd_);
     const int close_error = errno;
@@ -83,6 +91,7 @@ class ReplacingFile {
     if (closed != 0) fail("write", temporary_, close_error);
     if (::rename(temporary_.c_str(), target_.c_str()) != 0) fail("rename onto", target_, errno);
     committed_ = true;
+    if (sync == Sync::kDurable) sync_directory();
   }
 
  private:
@@ -104,6 +113,18 @@ class ReplacingFile {
       }
     }();
     return salt;
+  }
+
+  /// The rename is an entry of the directory: fsync'ing the directory makes it durable.
+  void sync_directory() const {
+    const std::filesystem::path parent = target_.parent_path();
+    const std::filesystem::path directory = parent.empty() ? std::filesystem::path(".") : parent;
+    const int fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) fail("open", directory, errno);
+    const bool synced = ::fsync(fd) == 0;
+    const int error = errno;
+    ::close(fd);
+    if (!synced) fail("sync", directory, error);
   }
 
   [[noreturn]] void fail(std::string_view action, const std::filesystem::path& path, int error) const {

@@ -63,8 +63,7 @@ class DiskTier final : public Tier {
     const std::vector<std::byte> sealed = seal(key, bytes);
     io::ReplacingFile file(path_of(key), ErrorCode::kUnavailable, "DiskTier: ");
     file.write(sealed);
-    file.commit(options_.durable);
-    if (options_.durable) sync_directory();
+    file.commit(options_.durable ? io::ReplacingFile::Sync::kDurable : io::ReplacingFile::Sync::kNone);
     std::lock_guard lock(mutex_);
     ++stats_.puts;
     stats_.bytes_written += bytes.size();
@@ -138,15 +137,6 @@ class DiskTier final : public Tier {
     }
     bytes.resize(done);
     return bytes;
-  }
-
-  void sync_directory() const {
-    const int fd = ::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) fail("open", directory_, errno);
-    const bool synced = ::fsync(fd) == 0;
-    const int error = errno;
-    ::close(fd);
-    if (!synced) fail("sync", directory_, error);
   }
 
   std::filesystem::path directory_;

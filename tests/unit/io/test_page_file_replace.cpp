@@ -1,6 +1,7 @@
 // write_page_file to a path replaces a regular file whole: a write that fails leaves the old file
 // as it was, a reader that has it mapped keeps the old bytes, its permissions are kept, no
-// temporary is left behind; a symbolic link or a named pipe is written in place.
+// temporary is left behind; a symbolic link or a named pipe is written in place. Durable writes
+// (fsync) go through on files, links and pipes alike.
 
 #include <catch2/catch.hpp>
 
@@ -86,7 +87,21 @@ TEST_CASE("write_page_file replaces a file whole or not at all", "[io][page_file
     CHECK(std::filesystem::is_symlink(link));
     CHECK(file_bytes(path) == second_bytes);
   }
-  SECTION("a named pipe is written in place") {
+  SECTION("durable writes fsync a new file, a replaced one and a link's target") {
+    io::PageFileOptions durable;
+    durable.durable = true;
+    io::write_page_file((scratch.path() / "new.kvpages").string(), cache, second, durable);
+    CHECK(file_bytes(scratch.path() / "new.kvpages") == second_bytes);
+    io::write_page_file(path.string(), cache, second, durable);
+    CHECK(file_bytes(path) == second_bytes);
+    const std::filesystem::path link = scratch.path() / "latest";
+    std::filesystem::create_symlink(path.filename(), link);
+    io::write_page_file(link.string(), cache, first, durable);
+    CHECK(file_bytes(path) == first_bytes);
+  }
+  SECTION("a named pipe is written in place, durable or not (a pipe has nothing to fsync)") {
+    io::PageFileOptions options;
+    options.durable = GENERATE(false, true);
     const std::filesystem::path pipe = scratch.path() / "pipe";
     REQUIRE(::mkfifo(pipe.c_str(), 0600) == 0);
     std::vector<std::byte> received;
@@ -98,7 +113,7 @@ TEST_CASE("write_page_file replaces a file whole or not at all", "[io][page_file
       }
       if (fd >= 0) ::close(fd);
     });
-    io::write_page_file(pipe.string(), cache, second);
+    io::write_page_file(pipe.string(), cache, second, options);
     reader.join();
     CHECK(received == second_bytes);
     CHECK(others(scratch.path(), "seq.kvpages") == std::vector<std::string>{"pipe"});
