@@ -156,7 +156,18 @@ class KVCache {
     if constexpr (requires { quantizer_.value.check_model(shape_.layers, streams_); }) {
       quantizer_.value.check_model(shape_.layers, streams_);
     }
-    if constexpr (kEvicts) evictor_.validate();
+    if constexpr (kEvicts) {
+      evictor_.validate();
+      // The exact prefix is kept and counts towards each budget: it must leave room for the
+      // token just written. The smallest budget of a layer is the one for the longest context.
+      for (index_t layer = 0; layer < cache_layers_; ++layer) {
+        const index_t least = evictor_.capacity(layer, cache_layers_, std::numeric_limits<index_t>::max());
+        KVPACK_CHECK(config_.exact_prefix_tokens < least, kInvalidConfig,
+                     detail::message(Evictor::kName, " keeps ", least, " tokens per KV stream of layer ", layer,
+                                     " at long contexts; CacheConfig.exact_prefix_tokens (",
+                                     config_.exact_prefix_tokens, ") must leave room for the newest token"));
+      }
+    }
     if (evict::uses_in_cache_positions(evictor_)) {
       KVPACK_CHECK(config_.key_rope.has_value(), kInvalidConfig,
                    "in_cache_positions rotates keys when they are read: it needs keys stored before RoPE "
@@ -1706,7 +1717,9 @@ class KVCache {
     number_rows(state.prefix_count, state.rows_count());
   }
 
-  /// Adds the observation window's attention to every live token's score, per stream.
+  /// Adds the observation window's attention to every live token's score, per stream; an
+  /// evictor that ranks by the window alone (SnapKV) gets this window's scores only, not the sum
+  /// with an earlier prefill's.
   void add_observation_scores(LayerState& state, index_t layer, std::span<const float> queries) {
     const index_t group = shape_.group_size();
     const float scale = 1.0f / std::sqrt(static_cast<float>(key_dim_));
@@ -1719,7 +1732,10 @@ class KVCache {
       evict::observation_scores(stored.keys, stored.positions, key_dim_, queries, shape_.q_heads, s * group, group,
                                 state.last_position, scale, evictor_.reduce(), scores);
       StreamEviction& stream = state.eviction[s];
-      for (std::size_t j = 0; j < refs.size(); ++j) slot_score(stream, refs[j]) += scores[j];
+      for (std::size_t j = 0; j < refs.size(); ++j) {
+        float& score = slot_score(stream, refs[j]);
+        score = uses_observation_only() ? scores[j] : score + scores[j];
+      }
     }
   }
 
@@ -1918,7 +1934,8 @@ class KVCache {
         if (pool_.ref_count(id) > 1) {
           PageId copy = 0;
           try {
-            copy = pool_.allocate_one();
+            // As every write allocates: cached prefix pages no sequence uses make room first.
+            allocate_pages(std::span<PageId>(&copy, 1));
           } catch (const std::exception&) {  // OutOfPages or bad_alloc
             j = end;  // keep this page's tokens; retried after the next write
             continue;
@@ -1974,7 +1991,9 @@ class KVCache {
     std::vector<PageId>& table = state.tables[s];
     std::size_t first = 0;
     while (first < table.size()) {
-      if (pool_.ref_count(table[first]) > 1) {
+      // A shared page is not rewritten; nor is a whole page at the start of a run (nothing to
+      // gain, and prefix sharing must not cache a page whose bytes were encoded twice).
+      if (pool_.ref_count(table[first]) > 1 || live_count(live_mask(table[first])) == config_.page_size) {
         ++first;
         continue;
       }

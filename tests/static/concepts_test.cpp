@@ -55,6 +55,7 @@ static_assert(!quant::CalibratedCodec<quant::Float<float>::key_codec>);
 
 static_assert(evict::Evictor<evict::KeepAll>);
 static_assert(evict::Evictor<evict::StreamingLLM<>>);
+static_assert(evict::Evictor<evict::StreamingLLM<evict::Pyramid>>);  // its default budget once did not compile
 static_assert(evict::Evictor<evict::H2O<evict::Pyramid>>);
 static_assert(evict::Evictor<evict::SnapKV<evict::Pyramid>>);
 static_assert(evict::Budget<evict::Uniform> && evict::Budget<evict::Pyramid>);

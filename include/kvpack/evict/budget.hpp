@@ -3,6 +3,7 @@
 /// \brief Token budgets per (layer, KV stream): evict::Uniform and evict::Pyramid (PyramidKV).
 
 #include <algorithm>
+#include <cstdint>
 
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
@@ -34,16 +35,18 @@ struct Pyramid {
 
   [[nodiscard]] index_t capacity(index_t layer, index_t layers, index_t context, index_t window) const noexcept {
     if (context <= tokens) return tokens;  // nothing to compress
-    const index_t budget = tokens - window;
+    // In 64 bits: 2B overflows index_t for budgets above 2^30.
+    const std::int64_t budget = std::int64_t{tokens} - window;
     if (layers < 2 || context < 2 * budget) return tokens;  // too short to slope: uniform (the spec's T < 2B)
-    index_t low = budget / beta;
-    index_t high = 2 * budget - low;
-    if (high >= context - window) {
-      high = context - window;
+    std::int64_t low = budget / beta;
+    std::int64_t high = 2 * budget - low;
+    if (high >= std::int64_t{context} - window) {
+      high = std::int64_t{context} - window;
       low = 2 * budget - high;
     }
-    const index_t step = (high - low) / (layers - 1);
-    return std::max<index_t>(high - layer * step, 0) + window;
+    const std::int64_t step = (high - low) / (layers - 1);
+    // At most high + window ≤ context: it fits index_t.
+    return static_cast<index_t>(std::max<std::int64_t>(high - layer * step, 0) + window);
   }
   void validate(index_t window) const {
     KVPACK_CHECK(tokens > window && beta >= 1, kInvalidConfig,

@@ -2,6 +2,7 @@
 /// \file h2o.hpp
 /// \brief evict::H2O: heavy hitters by accumulated attention, plus a recent window.
 
+#include <algorithm>
 #include <cmath>
 #include <string_view>
 
@@ -44,8 +45,12 @@ struct H2O {
                  detail::message("evict::H2O.recent_fraction must be in [0, 1], got ", recent_fraction));
     budget.validate(0);
   }
+  /// The recent window is recent_fraction of the uniform budget, the window Pyramid sized each
+  /// layer's budget around, and at least the token just written: it has no score yet (no query
+  /// has read it), so it would rank last, and the query of its own step would not see it.
   void choose(const StreamTokens& tokens, std::span<std::uint8_t> keep) const {
-    const index_t kept = ranking::keep_fixed(tokens, 0, recent(tokens.capacity), keep);
+    const index_t window = std::max<index_t>(1, recent(budget.capacity(0, 1, 0, 0)));
+    const index_t kept = ranking::keep_fixed(tokens, 0, std::min(window, tokens.capacity), keep);
     ranking::keep_best(tokens.scores, tokens.capacity - kept, keep);
   }
   friend constexpr bool operator==(const H2O&, const H2O&) = default;

@@ -4,6 +4,7 @@
 ///        then the best-scored of the rest with ties towards the lower position.
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <span>
 #include <vector>
@@ -25,7 +26,9 @@ inline index_t keep_fixed(const StreamTokens& tokens, index_t first, index_t las
 }
 
 /// Keeps, among tokens not yet kept, the `count` with the highest `scores`; equal scores go to
-/// the lower position (the earlier token), so results are deterministic.
+/// the lower position (the earlier token), so results are deterministic. A NaN score (non-finite
+/// input with check_inputs off) ranks as +inf: a token of unknown importance is kept, and the
+/// order stays a strict weak one, as partial_sort needs.
 inline void keep_best(std::span<const float> scores, index_t count, std::span<std::uint8_t> keep) {
   if (count <= 0) return;
   thread_local std::vector<index_t> candidates;
@@ -33,7 +36,8 @@ inline void keep_best(std::span<const float> scores, index_t count, std::span<st
   for (index_t i = 0; i < static_cast<index_t>(keep.size()); ++i) {
     if (keep[i] == 0) candidates.push_back(i);
   }
-  const auto better = [&](index_t a, index_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
+  const auto score = [&](index_t i) { return std::isnan(scores[i]) ? INFINITY : scores[i]; };
+  const auto better = [&](index_t a, index_t b) { return score(a) > score(b) || (score(a) == score(b) && a < b); };
   const auto end = candidates.begin() + std::min<std::ptrdiff_t>(count, static_cast<std::ptrdiff_t>(candidates.size()));
   std::partial_sort(candidates.begin(), end, candidates.end(), better);
   for (auto it = candidates.begin(); it != end; ++it) keep[*it] = 1;

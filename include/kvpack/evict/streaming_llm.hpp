@@ -28,7 +28,7 @@ struct StreamingLLM {
   static constexpr bool kEvictsOnAppend = true;
 
   index_t sinks = 4;                ///< first tokens always kept (the exact prefix counts towards them)
-  B budget{Uniform{4 + 512}};       ///< tokens kept per KV stream: sinks + recent window
+  B budget{4 + 512};                ///< tokens kept per KV stream: sinks + recent window
   bool in_cache_positions = false;  ///< rotate pre-RoPE keys by their index in the cache (§8.2)
 
   [[nodiscard]] index_t capacity(index_t layer, index_t layers, index_t context) const noexcept {
@@ -39,11 +39,12 @@ struct StreamingLLM {
     KVPACK_CHECK(sinks >= 0, kInvalidConfig, detail::message("evict::StreamingLLM.sinks must be >= 0, got ", sinks));
     budget.validate(sinks);
   }
-  /// The sinks and the pinned tokens, then the most recent ones until the budget is full: pins
-  /// count towards it, as with the other evictors.
+  /// The sinks, the pinned tokens and the token just written (its step's query reads it), then
+  /// the most recent ones until the budget is full: pins count towards it, as with the other
+  /// evictors, so pins that fill it leave only the newest token besides them.
   void choose(const StreamTokens& tokens, std::span<std::uint8_t> keep) const {
     const index_t first = std::max<index_t>(0, sinks - tokens.exact_prefix);
-    index_t kept = ranking::keep_fixed(tokens, first, 0, keep);
+    index_t kept = ranking::keep_fixed(tokens, first, 1, keep);
     for (index_t i = tokens.size() - 1; i >= 0 && kept < tokens.capacity; --i) {
       if (keep[i] != 0) continue;
       keep[i] = 1;

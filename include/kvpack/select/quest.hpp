@@ -303,7 +303,7 @@ KVPACK_QUEST_INLINE void score_tile(const float* prepared, index_t stride, index
     const float* summary = summaries[p];
     if (abs_out != nullptr) {
       score_page<V, kHeads, kAcc, true>(prepared, stride, head_dim, summary, bounds + p, pages, abs_out + p);
-      empty_out[p] = !(summary[0] <= summary[head_dim]);
+      empty_out[p] = summary[0] > summary[head_dim];  // a NaN box is not empty: its bound is NaN, read
     } else {
       score_page<V, kHeads, kAcc, false>(prepared, stride, head_dim, summary, bounds + p, pages, nullptr);
     }
@@ -367,7 +367,12 @@ KVPACK_QUEST_INLINE void page_bounds_body(const float* queries, index_t group, i
             if (empty[p]) u = -std::numeric_limits<float>::infinity();
             if (head_bounds != nullptr) head_bounds[static_cast<std::size_t>(head) * pages + first + p] = u;
             float& out = page_bounds[first + p];
-            out = how == GroupBound::kMax ? std::max(out, u) : out + u;
+            // std::max would drop a NaN bound; NaN ranks as +inf (ranks_before): the page is read.
+            if (how == GroupBound::kMean) {
+              out += u;
+            } else if (std::isnan(u) || u > out) {
+              out = u;
+            }
           }
         }
       }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -131,6 +132,73 @@ TEST_CASE("Pyramid budgets slope down over layers with Uniform's mean", "[evict]
   CHECK(std::abs(static_cast<double>(total) / layers - 1024.0) <= 31.0);  // the step's floor
   CHECK(pyramid.capacity(5, layers, 900, window) == 1024);   // T < C: no compression
   CHECK(pyramid.capacity(5, layers, 1500, window) == 1024);  // T < 2B: uniform
+  // 2B above 2^31 (computed in 64 bits; it overflowed index_t before): T = 2·10^9 < 2B, uniform.
+  const evict::Pyramid huge{1'500'000'000, 20};
+  CHECK(huge.capacity(0, layers, 2'000'000'000, window) == 1'500'000'000);
+  CHECK(huge.capacity(31, layers, 2'000'000'000, window) == 1'500'000'000);
+}
+
+TEST_CASE("every evictor keeps the token just written, whatever its window or pins", "[evict]") {
+  // The newest token has no score yet (no query has read it); the query of its own step must see it.
+  std::vector<std::int32_t> positions(40);
+  std::iota(positions.begin(), positions.end(), 0);
+  std::vector<float> scores(40, 1.0f);
+  scores.back() = 0.0f;
+  const std::vector<std::uint8_t> none(40, 0);
+  std::vector<std::uint8_t> keep(40);
+  evict::H2O<> heavy_only{evict::Uniform{8}, 0.0};  // no recent window asked for
+  heavy_only.choose(view(positions, scores, none, 8), keep);
+  CHECK(keep.back() == 1);
+  CHECK(kept_indices(keep).size() == 8);
+  // Pins that fill StreamingLLM's budget leave room for nothing else but the newest token.
+  std::vector<std::uint8_t> pinned(40, 0);
+  for (index_t i = 10; i < 20; ++i) pinned[i] = 1;
+  const evict::StreamingLLM<> streaming{2, evict::Uniform{8}};
+  streaming.choose(view(positions, {}, pinned, 8), keep);
+  CHECK(keep.back() == 1);
+  CHECK(kept_indices(keep).size() == 2 + 10 + 1);
+}
+
+TEST_CASE("H2O's recent window is its share of the uniform budget on every Pyramid layer", "[evict]") {
+  // Pyramid sizes each layer's budget as k_l + the window recent(C); the window must not shrink
+  // with a layer's budget (32 layers at 8192 tokens: the top layer keeps 537).
+  const evict::H2O<evict::Pyramid> policy{evict::Pyramid{1024, 20}, 0.5};
+  const index_t top = policy.capacity(31, 32, 8192);
+  REQUIRE(top < 1024);
+  std::vector<std::int32_t> positions(8192);
+  std::iota(positions.begin(), positions.end(), 0);
+  std::vector<float> scores(8192);
+  for (index_t i = 0; i < 8192; ++i) scores[i] = static_cast<float>((i * 7919) % 8192);
+  const std::vector<std::uint8_t> none(8192, 0);
+  std::vector<std::uint8_t> keep(8192);
+  policy.choose(view(positions, scores, none, top), keep);
+  CHECK(std::all_of(keep.end() - 512, keep.end(), [](std::uint8_t k) { return k == 1; }));
+  CHECK(kept_indices(keep).size() == static_cast<std::size_t>(top));
+}
+
+TEST_CASE("a NaN score ranks as the highest, and the choice stays deterministic", "[evict]") {
+  std::vector<std::int32_t> positions(64);
+  std::iota(positions.begin(), positions.end(), 0);
+  std::vector<float> scores(64);
+  for (index_t i = 0; i < 64; ++i) scores[i] = static_cast<float>(i % 9);
+  scores[5] = scores[30] = std::nanf("");
+  const std::vector<std::uint8_t> none(64, 0);
+  std::vector<std::uint8_t> keep(64), again(64);
+  const evict::H2O<> policy{evict::Uniform{12}, 0.25};
+  policy.choose(view(positions, scores, none, 12), keep);
+  policy.choose(view(positions, scores, none, 12), again);
+  CHECK(keep == again);
+  CHECK(keep[5] == 1);
+  CHECK(keep[30] == 1);
+  // The rest by the reference's order, NaN as +inf.
+  std::vector<float> ranked = scores;
+  ranked[5] = ranked[30] = INFINITY;
+  std::vector<index_t> candidates(61);
+  std::iota(candidates.begin(), candidates.end(), 0);
+  std::vector<index_t> expected = reference_best(ranked, candidates, 9);
+  for (index_t i = 61; i < 64; ++i) expected.push_back(i);
+  std::sort(expected.begin(), expected.end());
+  CHECK(kept_indices(keep) == expected);
 }
 
 TEST_CASE("observation scores are causal softmax column sums, reduced over the group", "[evict]") {
@@ -397,6 +465,54 @@ TEST_CASE("rows dropped in the tail window never become pages", "[evict][cache]"
   CHECK(relative_error(out, exact_over_read_back(cache, seq, q, 0.125)) <= 3e-2);
 }
 
+TEST_CASE("SnapKV ranks a later prefill by its own window, not summed with an earlier one", "[evict][cache]") {
+  evict::SnapKV<> snap;
+  snap.window = 1;
+  snap.kernel = 1;
+  snap.budget.tokens = 3;
+  KVCache<layout::GQA, quant::Float<float>, evict::SnapKV<>> cache(kShape, {}, {}, {}, snap);
+  const SeqId seq = cache.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+  const auto keys = test::random_rows(16 * static_cast<std::size_t>(kShape.kv_heads), kShape.head_dim, 21, 4, 5.0f);
+  const auto values = test::random_rows(16 * static_cast<std::size_t>(kShape.kv_heads), kShape.head_dim, 22);
+  const auto half = [&](const std::vector<float>& all, int which) {
+    return std::span<const float>(all.data() + which * 8 * row, 8 * row);
+  };
+  // Turn 1's window asks for token 2: kept, with the window's token 7 and one more.
+  const std::vector<float> first_question = query_at(keys, 2);
+  cache.prefill(seq, 0, half(keys, 0), half(values, 0), std::span<const float>(first_question));
+  REQUIRE(cache.read_back(seq, 0, 0).positions.size() == 3);
+  REQUIRE(cache.read_back(seq, 0, 0).positions[0] == 2);
+  // Turn 2's window asks for tokens 9 and 11: they outrank token 2, whose score was turn 1's.
+  std::vector<float> second_question = query_at(keys, 9);
+  const std::vector<float> also = query_at(keys, 11);
+  for (std::size_t i = 0; i < second_question.size(); ++i) second_question[i] += also[i];
+  cache.prefill(seq, 0, half(keys, 1), half(values, 1), std::span<const float>(second_question));
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    INFO("stream " << s);
+    CHECK(cache.read_back(seq, 0, s).positions == std::vector<std::int32_t>{9, 11, 15});
+  }
+}
+
+TEST_CASE("an exact prefix that fills an evictor's budget is refused when the cache is built", "[evict][cache]") {
+  CacheConfig config;
+  config.exact_prefix_tokens = 64;
+  using Streaming = KVCache<layout::GQA, quant::Float<half>, evict::StreamingLLM<>>;
+  CHECK_THROWS_WITH(Streaming(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{64}}),
+                    Catch::Contains("exact_prefix_tokens (64) must leave room for the newest token"));
+  CHECK_NOTHROW(Streaming(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{65}}));
+  // Pyramid's top layer keeps the least: its budget at long contexts is what counts.
+  using Pyramid = KVCache<layout::GQA, quant::Float<half>, evict::H2O<evict::Pyramid>>;
+  const ModelShape deep{8, 8, 2, 64};
+  const evict::H2O<evict::Pyramid> h2o{evict::Pyramid{256, 20}, 0.5};
+  const index_t least = h2o.capacity(7, 8, std::numeric_limits<index_t>::max());
+  REQUIRE(least < 256);
+  config.exact_prefix_tokens = least;
+  CHECK_THROWS_AS(Pyramid(deep, config, {}, {}, h2o), Error);
+  config.exact_prefix_tokens = least - 1;
+  CHECK_NOTHROW(Pyramid(deep, config, {}, {}, h2o));
+}
+
 TEST_CASE("H2O keeps the token decode queries keep attending to", "[evict][cache]") {
   evict::H2O<> h2o;
   h2o.budget.tokens = 32;
@@ -461,6 +577,35 @@ TEST_CASE("compaction re-quantizes at most once more: error within twice the cod
   check(quant::Q4_0{});
   check(quant::KIVI<4>{});
   check(quant::KIVI<2>{});
+}
+
+TEST_CASE("compaction leaves a whole leading page as it was encoded", "[evict][cache]") {
+  // TurboQuant does not re-encode to the same values: a rewritten page would read back
+  // differently from its twin's (and prefix sharing could cache such a page as untouched).
+  evict::H2O<> h2o;
+  h2o.budget.tokens = 100;
+  KVCache<layout::GQA, quant::TurboQuant<8>, evict::H2O<>> cache(kShape, {}, {}, {}, h2o);
+  KVCache<layout::GQA, quant::TurboQuant<8>> full(kShape);
+  const SeqId seq = cache.add_sequence();
+  const SeqId twin = full.add_sequence();
+  cache.pin(seq, 0, 31);  // page 0 stays whole
+  const std::size_t rows = 1024 * static_cast<std::size_t>(kShape.kv_heads);
+  const auto keys = test::random_rows(rows, kShape.head_dim, 41, 4, 5.0f);
+  const auto values = test::random_rows(rows, kShape.head_dim, 42);
+  const auto observation = test::random_rows(32 * static_cast<std::size_t>(kShape.q_heads), kShape.head_dim, 43);
+  cache.prefill(seq, 0, std::span<const float>(keys), std::span<const float>(values), std::span<const float>(observation));
+  full.prefill(twin, 0, std::span<const float>(keys), std::span<const float>(values));
+  for (index_t s = 0; s < kShape.kv_heads; ++s) {
+    INFO("stream " << s);
+    REQUIRE(static_cast<index_t>(cache.pages(seq, 0, s).size()) <= 2 * 100 / 32 + 1);  // compacted
+    const StoredTokens kept = cache.read_back(seq, 0, s);
+    const StoredTokens all = full.read_back(twin, 0, s);
+    const std::size_t page = 32 * static_cast<std::size_t>(kShape.head_dim);
+    REQUIRE(std::vector<std::int32_t>(kept.positions.begin(), kept.positions.begin() + 32) ==
+            std::vector<std::int32_t>(all.positions.begin(), all.positions.begin() + 32));
+    CHECK(std::equal(kept.keys.begin(), kept.keys.begin() + page, all.keys.begin()));
+    CHECK(std::equal(kept.values.begin(), kept.values.begin() + page, all.values.begin()));
+  }
 }
 
 TEST_CASE("with the pool exhausted, eviction in a fork keeps shared tokens and fails nothing", "[evict][cache]") {

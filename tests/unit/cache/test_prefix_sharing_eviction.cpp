@@ -173,3 +173,33 @@ TEST_CASE("pages an evictor changed are not cached", "[cache][prefix][evict]") {
   CHECK(cache.prefix_stats().cached_pages == 0);
   CHECK(cache.add_sequence(tokens(120, 1000)).cached_tokens == 0);
 }
+
+TEST_CASE("eviction's copy-on-write makes room from cached prefix pages, as writes do", "[cache][prefix][evict]") {
+  // A pool full of cached pages no sequence uses: a fork's eviction must copy a page it shares
+  // with its parent. It used to take the copy from the free list alone, fail, and leave the
+  // tokens alive, so the fork grew past its budget while the index held reclaimable pages.
+  using Cache = KVCache<layout::GQA, quant::Float<half>, evict::StreamingLLM<>>;
+  CacheConfig config;
+  config.page_size = kPage;
+  config.prefix_sharing = PrefixSharing{"evicting"};
+  config.max_pages = 12 + 40;  // the parent's 3 pages per (layer, stream), and 10 cached ones
+  Cache cache(kShape, config, {}, {}, evict::StreamingLLM<>{4, evict::Uniform{80}});
+  const SeqId parent = cache.add_sequence();
+  prefill_rows(cache, parent, 0, 48, false);
+  for (const TokenId first : {9000, 9500}) {  // two prompts within the budget: cached whole
+    const PrefixHit cached = cache.add_sequence(tokens(80, first));
+    prefill_rows(cache, cached.seq, 0, 80, false);
+    cache.release(cached.seq);
+  }
+  REQUIRE(cache.prefix_stats().cached_pool_pages == 40);
+  REQUIRE(cache.memory().pages_in_use == 52);  // the pool is full
+  const SeqId child = cache.fork(parent);
+  for (std::int64_t position = 48; position < 100; ++position) {
+    append_rows(cache, child, position, 8000 + static_cast<std::uint32_t>(position));
+  }
+  for (index_t layer = 0; layer < kShape.layers; ++layer) {
+    for (index_t s = 0; s < kShape.kv_heads; ++s) CHECK(cache.live_tokens(child, layer, s) == 80);
+  }
+  CHECK(cache.live_tokens(parent, 0, 0) == 48);
+  CHECK(cache.prefix_stats().cached_pool_pages < 40);
+}

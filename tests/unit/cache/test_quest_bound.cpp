@@ -637,3 +637,30 @@ TEST_CASE("Quest end to end on q4_0 pages: select, attend the selected pages, bo
     CHECK(select::UnreadBound{without_needles[h].first, 0.0}.fired(0.5));
   }
 }
+
+TEST_CASE("Quest bound: a NaN query gives its pages a NaN bound, so they are read, in every variant",
+          "[quest][select]") {
+  // check_inputs = false lets a NaN query through; std::max(-inf, NaN) used to give -inf, a page
+  // ranked last and never read, where ranks_before reads a NaN bound as +inf.
+  select::detail::for_each_page_bounds_variant([&](const char* name, select::detail::PageBoundsFunction bounds_of) {
+    const index_t d = 64, pages = 5, page_size = 16;
+    std::vector<std::vector<float>> summaries(pages, std::vector<float>(2 * d));
+    std::vector<const float*> pointers(pages);
+    for (index_t p = 0; p < pages; ++p) {
+      const std::vector<float> keys = test::random_rows(page_size, d, 1000 + p);
+      select::summarize_page(keys.data(), nullptr, page_size, d, summaries[p].data(), summaries[p].data() + d);
+      pointers[p] = summaries[p].data();
+    }
+    for (const index_t group : {1, 4}) {
+      std::vector<float> queries = test::random_rows(group, d, 1100);
+      queries[3] = std::nanf("");  // head 0
+      std::vector<float> head_bounds(static_cast<std::size_t>(group) * pages), page_bounds(pages);
+      bounds_of(queries.data(), group, d, pointers.data(), pages, head_bounds.data(), page_bounds.data(),
+                select::GroupBound::kMax);
+      for (index_t p = 0; p < pages; ++p) {
+        INFO(name << " group " << group << " page " << p);
+        CHECK(std::isnan(page_bounds[p]));
+      }
+    }
+  });
+}
