@@ -19,6 +19,16 @@ std::vector<float> attend(const auto& cache, SeqId s, index_t layer, const std::
   return out;
 }
 
+/// Static FP8 scales per (layer, KV head) for 3 layers x 2 heads, [layers][kv_heads] row-major.
+quant::FP8Options per_head_scales() {
+  quant::FP8Options options;
+  options.calibrate = false;
+  options.granularity = quant::ScaleGranularity::kPerHead;
+  options.kv_heads = 2;
+  options.static_head_scales = {0.5f, 0.25f, 2.0f, 4.0f, 8.0f, 16.0f};
+  return options;
+}
+
 }  // namespace
 
 TEST_CASE("CrossLayer<GQA, 2> stores half the layers and every layer reads its group's cache", "[cache][cross_layer]") {
@@ -72,11 +82,7 @@ TEST_CASE("one cache for the whole model (YOCO) and per-layer parameters of the 
   const ModelShape shape{3, 4, 2, 32};
   // Per-head static FP8 scales, [layers][kv_heads]: cache layer 1 of CrossLayer<…, 2> is written
   // by model layer 2, so it takes layer 2's scales.
-  quant::FP8Options options;
-  options.calibrate = false;
-  options.granularity = quant::ScaleGranularity::kPerHead;
-  options.kv_heads = 2;
-  options.static_head_scales = {0.5f, 0.25f, 2.0f, 4.0f, 8.0f, 16.0f};
+  const quant::FP8Options options = per_head_scales();
   KVCache<layout::CrossLayer<layout::GQA, 2>, quant::FP8<quant::E4M3FN>> pairs(shape, {}, quant::FP8<quant::E4M3FN>(options));
   CHECK(pairs.codec_params(1, 0).first.scale == 0.5f);
   CHECK(pairs.codec_params(2, 0).first.scale == 8.0f);
@@ -96,11 +102,7 @@ TEST_CASE("per-head static FP8 scales must be rows of the model's shape", "[cach
   // [layers][kv_heads] row-major: rows of another length would hand a head the scale of another
   // head or layer. Both tables below are long enough for every index the cache asks for.
   const ModelShape shape{3, 4, 2, 32};
-  quant::FP8Options options;
-  options.calibrate = false;
-  options.granularity = quant::ScaleGranularity::kPerHead;
-  options.kv_heads = 2;
-  options.static_head_scales = {0.5f, 0.25f, 2.0f, 4.0f, 8.0f, 16.0f};
+  const quant::FP8Options options = per_head_scales();
   using Cache = KVCache<layout::CrossLayer<layout::GQA, 2>, quant::FP8<quant::E4M3FN>>;
   CHECK_NOTHROW(Cache(shape, {}, quant::FP8<quant::E4M3FN>(options)));
   quant::FP8Options one_head_rows = options;  // 6 layers x 1 head
