@@ -2184,6 +2184,7 @@ class KVCache {
     const std::size_t pages = table.size();
     thread_local std::vector<std::uint8_t> read;
     thread_local std::vector<index_t> unread;  // [entries]: pages, ghosts, dead tail rows
+    thread_local std::vector<index_t> unread_live;  // [pages]: of unread, the live ones
     thread_local std::vector<float> bounds;    // [group][entries]
     thread_local std::vector<float> ghost_bounds;
     thread_local std::vector<float> rotated;
@@ -2200,12 +2201,15 @@ class KVCache {
     }
     const std::size_t entries = pages + ghosts + dead_rows.size();
     unread.assign(entries, 0);
+    unread_live.assign(pages, 0);
     bounds.assign(static_cast<std::size_t>(group) * entries, 0.0f);
     float max_norm = 0.0f;
     for (std::size_t i = 0; i < pages; ++i) {
       const float* summary = summary_of(table[i]);
       const auto lived = static_cast<index_t>(summary[2 * key_dim_ + 1]);
-      unread[i] = read[i] != 0 ? lived - live_count(live_mask(table[i])) : lived;
+      const index_t live = live_count(live_mask(table[i]));
+      unread[i] = read[i] != 0 ? lived - live : lived;
+      unread_live[i] = read[i] != 0 ? 0 : live;
       max_norm = std::max(max_norm, summary[2 * key_dim_]);
       for (index_t h = 0; h < group; ++h) bounds[h * entries + i] = head_bounds[h * pages + i];
     }
@@ -2262,7 +2266,7 @@ class KVCache {
         const std::int32_t position = state.tail_positions[dead_rows[e - pages - ghosts]];
         range = {position, position};
       }
-      spans.push_back({range.first, range.second, unread[e]});
+      spans.push_back({range.first, range.second, unread[e], e < pages ? unread_live[e] : 0});
     }
     span_bounds.clear();
     for (index_t h = 0; h < group; ++h) {

@@ -108,6 +108,7 @@ struct UnreadSpan {
   std::int32_t first_position = 0;  ///< every unread token of the span is at a position in
   std::int32_t last_position = 0;   ///< [first_position, last_position] (tokens may be live there too)
   index_t tokens = 0;               ///< unread tokens in the span
+  index_t live = 0;                 ///< of them, still live in the cache (a page select::Quest skipped)
 };
 
 /// What one `attend` left unread, and how much it could matter: the certified bound of

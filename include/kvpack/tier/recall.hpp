@@ -96,46 +96,80 @@ class RecallStore {
   /// layout, keys after RoPE, at positions positions[0..T) (increasing, after any written before).
   /// \throws kvpack::Error kInvalidArgument for inconsistent sizes or positions, or a layer
   ///         whose tokens are demoted; as Tier::put. The store records the write only once every
-  ///         entry is in the tier, so a failed write can be retried as it was (its entries are
-  ///         overwritten).
+  ///         entry is in the tier; a failed write erases the entries it put and can be retried.
+  /// Each call writes its own entries (chunks of chunk_tokens within the call): one token per
+  /// call is one entry per stream, and one tier round trip each when recalled.
   void write(SeqId seq, index_t layer, index_t streams, index_t dim, std::span<const float> keys,
              std::span<const float> values, std::span<const std::int64_t> positions) {
-    const std::size_t row = static_cast<std::size_t>(streams) * static_cast<std::size_t>(dim);
+    const auto stream_count = static_cast<std::size_t>(streams);
+    const std::size_t row = stream_count * static_cast<std::size_t>(dim);
     KVPACK_CHECK(streams > 0 && dim > 0 && keys.size() == values.size() && keys.size() == row * positions.size(),
                  kInvalidArgument,
                  detail::message("RecallStore::write: ", keys.size(), " key and ", values.size(), " value floats for ",
                                  positions.size(), " tokens of ", streams, " streams x ", dim));
-    const auto found = layers_.find({seq, layer});
-    Layer written = found != layers_.end() ? found->second : Layer{Mode::kThrough, dim, -1, std::vector<Entries>(static_cast<std::size_t>(streams))};
-    KVPACK_CHECK(written.mode == Mode::kThrough, kInvalidArgument,
-                 "RecallStore::write: this layer's dropped tokens are demoted; a store either writes a layer "
-                 "through or takes its demotions");
-    KVPACK_CHECK(written.streams.size() == static_cast<std::size_t>(streams) && written.dim == dim, kInvalidArgument,
-                 "RecallStore::write: streams or dim differ from an earlier write of this layer");
     KVPACK_CHECK(dim <= kMaxDim, kInvalidArgument, detail::message("RecallStore::write: dim ", dim, " > ", kMaxDim));
+    const auto found = layers_.find({seq, layer});
+    const bool fresh = found == layers_.end();
+    if (!fresh) {
+      KVPACK_CHECK(found->second.mode == Mode::kThrough, kInvalidArgument,
+                   "RecallStore::write: this layer's dropped tokens are demoted; a store either writes a layer "
+                   "through or takes its demotions");
+      KVPACK_CHECK(found->second.streams.size() == static_cast<std::size_t>(streams) && found->second.dim == dim,
+                   kInvalidArgument, "RecallStore::write: streams or dim differ from an earlier write of this layer");
+    }
     for (std::size_t i = 0; i < positions.size(); ++i) {
-      const std::int64_t previous = i == 0 ? written.last_position : positions[i - 1];
+      const std::int64_t previous = i == 0 ? (fresh ? -1 : found->second.last_position) : positions[i - 1];
       KVPACK_CHECK(positions[i] > previous && positions[i] <= std::numeric_limits<std::int32_t>::max(),
                    kInvalidArgument, "RecallStore::write: positions must increase and fit 32 bits");
     }
-    std::uint64_t bytes = 0;
-    for (std::size_t first = 0; first < positions.size(); first += static_cast<std::size_t>(chunk_tokens_)) {
-      const std::size_t n = std::min(positions.size() - first, static_cast<std::size_t>(chunk_tokens_));
-      const EntryRange range{static_cast<std::int32_t>(positions[first]), static_cast<std::int32_t>(positions[first + n - 1])};
-      for (index_t s = 0; s < streams; ++s) {
-        Entries& entries = written.streams[static_cast<std::size_t>(s)];
-        const std::vector<std::byte> entry =
-            encode(n, dim, [&](std::size_t i) { return static_cast<std::int32_t>(positions[first + i]); },
-                   [&](std::size_t i, bool value) {
-                     return (value ? values : keys).data() + (first + i) * row + static_cast<std::size_t>(s) * dim;
-                   });
-        tier_.put(key_of(seq, layer, s, entries.size()), entry);
-        entries.push_back(range);
-        bytes += entry.size();
-      }
-      written.last_position = positions[first + n - 1];
+    if (positions.empty()) return;
+    // The layer's record is changed in place (a copy per call made a decode loop's writes
+    // quadratic), and only once every entry is in the tier: room for the ranges is reserved
+    // first, and a failed put takes back the entries this call put.
+    auto at = found;
+    if (fresh) {
+      at = layers_.emplace(std::pair{seq, layer}, Layer{Mode::kThrough, dim, -1, std::vector<Entries>(stream_count)})
+               .first;
     }
-    layers_[{seq, layer}] = std::move(written);
+    Layer& written = at->second;
+    const std::size_t chunk = static_cast<std::size_t>(chunk_tokens_);
+    const std::size_t chunks = (positions.size() + chunk - 1) / chunk;
+    const std::size_t before = written.streams.front().size();  // every stream holds as many entries
+    std::size_t put = 0;  // entries this call put, chunk-major
+    std::uint64_t bytes = 0;
+    try {
+      for (Entries& entries : written.streams) entries.reserve(before + chunks);
+      for (std::size_t c = 0; c < chunks; ++c) {
+        const std::size_t first = c * chunk, n = std::min(positions.size() - first, chunk);
+        for (index_t s = 0; s < streams; ++s) {
+          const std::vector<std::byte> entry =
+              encode(n, dim, [&](std::size_t i) { return static_cast<std::int32_t>(positions[first + i]); },
+                     [&](std::size_t i, bool value) {
+                       return (value ? values : keys).data() + (first + i) * row + static_cast<std::size_t>(s) * dim;
+                     });
+          tier_.put(key_of(seq, layer, s, before + c), entry);
+          ++put;
+          bytes += entry.size();
+        }
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < put; ++i) {  // best effort: a retry overwrites them anyway
+        try {
+          (void)tier_.erase(key_of(seq, layer, static_cast<index_t>(i % static_cast<std::size_t>(streams)),
+                                   before + i / static_cast<std::size_t>(streams)));
+        } catch (...) {
+        }
+      }
+      if (fresh) layers_.erase({seq, layer});
+      throw;
+    }
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t first = c * chunk, last = std::min(positions.size(), first + chunk) - 1;
+      for (Entries& entries : written.streams) {
+        entries.emplace_back(static_cast<std::int32_t>(positions[first]), static_cast<std::int32_t>(positions[last]));
+      }
+    }
+    written.last_position = positions.back();
     stats_.bytes_written += bytes;
   }
 
@@ -161,34 +195,40 @@ class RecallStore {
     const auto found = layers_.find({dropped.seq, dropped.layer});
     KVPACK_CHECK(found == layers_.end() || (found->second.mode == Mode::kDemoted && found->second.dim == tokens.key_dim),
                  kInvalidArgument, "RecallStore::demote: this layer is written through, or was demoted with another dim");
-    Layer& layer = found != layers_.end() ? found->second
-                                          : layers_.emplace(std::pair{dropped.seq, dropped.layer},
-                                                            Layer{Mode::kDemoted, tokens.key_dim, -1, {}})
-                                                .first->second;
-    if (layer.streams.size() <= static_cast<std::size_t>(dropped.stream)) layer.streams.resize(static_cast<std::size_t>(dropped.stream) + 1);
-    Entries& entries = layer.streams[static_cast<std::size_t>(dropped.stream)];
-    const std::size_t before = entries.size();
+    const bool fresh = found == layers_.end();
+    const auto stream = static_cast<std::size_t>(dropped.stream);
+    Entries* entries = nullptr;
+    std::size_t before = 0;
     std::uint64_t bytes = 0;
     try {
+      auto at = found;
+      if (fresh) {
+        const std::pair key{dropped.seq, dropped.layer};
+        at = layers_.emplace(key, Layer{Mode::kDemoted, tokens.key_dim, -1, {}}).first;
+      }
+      Layer& layer = at->second;
+      if (layer.streams.size() <= stream) layer.streams.resize(stream + 1);
+      entries = &layer.streams[stream];
+      before = entries->size();
       for (std::size_t first = 0; first < n; first += static_cast<std::size_t>(chunk_tokens_)) {
         const std::size_t count = std::min(n - first, static_cast<std::size_t>(chunk_tokens_));
         const std::vector<std::byte> entry =
             encode(count, tokens.key_dim, [&](std::size_t i) { return tokens.positions[first + i]; },
                    [&](std::size_t i, bool value) { return (value ? tokens.values : tokens.keys).data() + (first + i) * d; });
-        tier_.put(key_of(dropped.seq, dropped.layer, dropped.stream, entries.size()), entry);
-        entries.push_back({tokens.positions[first], tokens.positions[first + count - 1]});
+        tier_.put(key_of(dropped.seq, dropped.layer, dropped.stream, entries->size()), entry);
+        entries->push_back({tokens.positions[first], tokens.positions[first + count - 1]});
         bytes += entry.size();
       }
     } catch (...) {
       // Take back what was put (best effort: the next demotion overwrites those keys anyway).
-      for (std::size_t entry = before; entry < entries.size(); ++entry) {
+      for (std::size_t entry = before; entries != nullptr && entry < entries->size(); ++entry) {
         try {
           (void)tier_.erase(key_of(dropped.seq, dropped.layer, dropped.stream, entry));
         } catch (...) {
         }
       }
-      entries.resize(before);
-      if (found == layers_.end()) layers_.erase({dropped.seq, dropped.layer});  // as if never called
+      if (entries != nullptr) entries->resize(before);
+      if (fresh) layers_.erase({dropped.seq, dropped.layer});  // as if never called
       ++stats_.demotions_failed;
       throw;
     }
@@ -459,6 +499,30 @@ inline std::size_t spans_needed(std::span<const UnreadSpan> spans, std::span<con
   return low;
 }
 
+/// Spans whose position ranges overlap, directly or through others, in one group: a token
+/// recalled inside a group's range may be any of its spans' (ghosts merge neighbours' ranges,
+/// compaction leaves live tokens inside a ghost's), so whether the store gave back every dropped
+/// token can only be counted per group, and a group is fetched whole. Returns each span's group;
+/// `ranges` receives each group's first and last position.
+inline std::vector<std::size_t> overlap_groups(std::span<const UnreadSpan> spans,
+                                               std::vector<std::pair<std::int32_t, std::int32_t>>& ranges) {
+  std::vector<std::size_t> by_start(spans.size());
+  for (std::size_t e = 0; e < spans.size(); ++e) by_start[e] = e;
+  std::sort(by_start.begin(), by_start.end(),
+            [&](std::size_t a, std::size_t b) { return spans[a].first_position < spans[b].first_position; });
+  std::vector<std::size_t> group(spans.size());
+  ranges.clear();
+  for (std::size_t e : by_start) {
+    if (ranges.empty() || spans[e].first_position > ranges.back().second) {
+      ranges.emplace_back(spans[e].first_position, spans[e].last_position);
+    } else {
+      ranges.back().second = std::max(ranges.back().second, spans[e].last_position);
+    }
+    group[e] = ranges.size() - 1;
+  }
+  return group;
+}
+
 /// Adds token scores to a head's softmax.
 inline void add_scores(Softmax& state, std::span<const double> scores) {
   for (double x : scores) {
@@ -520,6 +584,9 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
     // against what is attended by then (the fetched tokens raise its sum), is at most epsilon:
     // few round trips, and a needle whose span comes first ends recall after one.
     const std::vector<std::size_t> order = recall_detail::spans_by_share(spans, bounds, state);
+    std::vector<std::pair<std::int32_t, std::int32_t>> group_ranges;
+    const std::vector<std::size_t> group_of = recall_detail::overlap_groups(spans, group_ranges);
+    std::vector<std::uint8_t> group_fetched(group_ranges.size(), 0), span_fetched(spans.size(), 0);
     const std::vector<std::int32_t> live_positions = all.positions;
     const std::span<const RecallStore::EntryRange> entries = store.entries(seq, written_layer, s);
     std::vector<std::uint8_t> fetched(entries.size(), 0);
@@ -531,13 +598,15 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
       if (needed <= taken) break;
       const std::size_t target = std::min(needed, std::max<std::size_t>(1, 2 * taken));
       StoredTokens written;
+      std::vector<std::size_t> groups;  // fetched in this round
       for (std::size_t i = taken; i < target; ++i) {
-        const UnreadSpan& span = spans[order[i]];
+        const std::size_t g = group_of[order[i]];
+        if (group_fetched[g] != 0) continue;
+        group_fetched[g] = 1;
+        groups.push_back(g);
+        const auto [first, last] = group_ranges[g];
         for (std::size_t entry = 0; entry < entries.size(); ++entry) {
-          if (fetched[entry] != 0 || entries[entry].first > span.last_position ||
-              entries[entry].second < span.first_position) {
-            continue;
-          }
+          if (fetched[entry] != 0 || entries[entry].first > last || entries[entry].second < first) continue;
           store.read_entry(seq, written_layer, s, entry, written);
           fetched[entry] = 1;
         }
@@ -557,21 +626,26 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
         }
         ++stats.tokens_recalled;
       }
-      // A span counts as fetched only when its unread tokens are all accounted for: each is live
-      // (a page Quest skipped) or came back. Positions may skip numbers, so tokens are counted,
-      // not positions walked: fewer live and recalled tokens in the span's range than it has
-      // unread means the store never held some (not written through, forgotten, a fork's
-      // prefix under its parent's id), and the rest cannot be certified.
-      for (std::size_t i = taken; i < target; ++i) {
-        const UnreadSpan& span = spans[order[i]];
-        const auto live = std::upper_bound(live_positions.begin(), live_positions.end(), span.last_position) -
-                          std::lower_bound(live_positions.begin(), live_positions.end(), span.first_position);
-        const auto back = std::distance(recalled_positions.lower_bound(span.first_position),
-                                        recalled_positions.upper_bound(span.last_position));
-        KVPACK_CHECK(live + back >= span.tokens, kUnavailable,
-                     detail::message("attend_with_recall: the store holds no entry for ", span.tokens - live - back,
-                                     " of the tokens at positions ", span.first_position, "..", span.last_position,
-                                     " of sequence ", seq, " layer ", written_layer, " stream ", s,
+      // A group counts as fetched only when each of its spans' dropped tokens (unread and not
+      // live: the live ones of a page Quest skipped are attended from the cache) came back.
+      // Positions may skip numbers, so tokens are counted, not positions walked; live tokens in
+      // the range do not count, since a page read or compacted holds them beside its dropped
+      // ones. Fewer recalled tokens in the group's range than it dropped means the store never
+      // held some (not written through, forgotten, a fork's prefix under its parent's id), and
+      // the rest cannot be certified.
+      for (std::size_t g : groups) {
+        const auto [first, last] = group_ranges[g];
+        std::int64_t dropped_tokens = 0;
+        for (std::size_t e = 0; e < spans.size(); ++e) {
+          if (group_of[e] != g) continue;
+          dropped_tokens += spans[e].tokens - spans[e].live;
+          span_fetched[e] = 1;
+        }
+        const auto back = std::distance(recalled_positions.lower_bound(first), recalled_positions.upper_bound(last));
+        KVPACK_CHECK(back >= dropped_tokens, kUnavailable,
+                     detail::message("attend_with_recall: the store holds no entry for ", dropped_tokens - back,
+                                     " of the tokens at positions ", first, "..", last, " of sequence ", seq,
+                                     " layer ", written_layer, " stream ", s,
                                      ", which the cache dropped (not written through or demoted, or forgotten)"));
       }
       for (std::size_t g = 0; g < heads; ++g) {
@@ -579,15 +653,19 @@ index_t attend_with_recall(const Cache& cache, RecallStore& store, SeqId seq, in
         recall_detail::add_scores(state[g], scores);
       }
       taken = target;
+      while (taken < order.size() && span_fetched[order[taken]] != 0) ++taken;  // fetched with a group
     }
-    const std::span<const std::size_t> rest = std::span<const std::size_t>(order).subspan(taken);
+    std::vector<std::size_t> rest;  // in order; a prefix of it may have been fetched with a group
+    for (std::size_t e : std::span<const std::size_t>(order).subspan(taken)) {
+      if (span_fetched[e] == 0) rest.push_back(e);
+    }
     const std::vector<recall_detail::Softmax> attended =
         recall_detail::exact_heads(all, query, s * group, group, dim, scale, out);
     for (index_t g = 0; g < group; ++g) {
       stats.max_mass_left = std::max(stats.max_mass_left,
                                      recall_detail::mass_left(spans, bounds, rest, g, attended[static_cast<std::size_t>(g)]));
     }
-    stats.spans_recalled += taken;
+    stats.spans_recalled += spans.size() - rest.size();
     stats.spans_left += rest.size();
     ++stats.streams_recalled;
     ++recalled;

@@ -595,6 +595,106 @@ TEST_CASE("pages Quest skipped over positions with gaps are live, not missing fr
   CHECK(largest_error(with, exact) < 1e-5);
 }
 
+TEST_CASE("dropped slots of a page attend read are missing from an empty store, whatever is live beside them",
+          "[tier][recall]") {
+  // H2O drops 3 of 64 tokens, slots of pages that stay and are read: each span's range holds
+  // live tokens. Those were read, not left unread, so they cannot stand in for the dropped ones
+  // (before 2026-12-08 they did: recall returned, missing the needle, and claimed ≤ epsilon).
+  using Cache = KVCache<layout::GQA, quant::Float<float>, evict::H2O<>, select::Quest>;
+  CacheConfig config;
+  config.page_size = 32;
+  Cache cache(kShape, config, {}, {}, evict::H2O<>{evict::Uniform{61}}, summaries_only());
+  const Prompt p = random_prompt(11);
+  const index_t tokens = 64;
+  const std::size_t floats = static_cast<std::size_t>(tokens) * kShape.kv_heads * kShape.head_dim;
+  const SeqId seq = cache.add_sequence();
+  cache.prefill(seq, 0, std::span(p.keys).first(floats), std::span(p.values).first(floats));
+  REQUIRE(cache.live_tokens(seq, 0, 0) == 61);
+  const StoredTokens live = cache.read_back(seq, 0, 0);
+  index_t dropped = 0;
+  while (std::binary_search(live.positions.begin(), live.positions.end(), dropped)) ++dropped;
+  const std::vector<float> question = question_for(p, dropped, 4.0f);
+  const float scale = 1.0f / std::sqrt(float(kShape.head_dim));
+  std::vector<float> out(question.size());
+  AttendReport report;
+  report.epsilon = 1e-3;
+  cache.attend(seq, 0, std::span<const float>(question), std::span<float>(out), scale, &report);
+  REQUIRE(report.fired);
+  for (const UnreadSpan& span : report.unread_spans[0]) {
+    CHECK(span.live == 0);  // every page was read
+    CHECK(span.last_position - span.first_position + 1 > span.tokens);  // live tokens in range
+  }
+
+  tier::HostTier host(1 << 20);
+  tier::RecallStore empty(host, "nothing-written");
+  const auto error =
+      test::thrown_error([&] { (void)tier::attend_with_recall(cache, empty, seq, 0, question, out, scale, report); });
+  REQUIRE(error);
+  CHECK(error->code() == ErrorCode::kUnavailable);
+  CHECK_THAT(error->what(), Catch::Contains("holds no entry for"));
+
+  SECTION("with every token written through, recall brings the needle back") {
+    tier::RecallStore store(host, "all-written", 16);
+    store.write(seq, 0, kShape.kv_heads, kShape.head_dim, std::span(p.keys).first(floats),
+                std::span(p.values).first(floats), std::span(p.positions).first(static_cast<std::size_t>(tokens)));
+    CHECK(tier::attend_with_recall(cache, store, seq, 0, question, out, scale, report) > 0);
+    const std::vector<double> exact = eval::exact_attention(std::span(p.keys).first(floats),
+                                                            std::span(p.values).first(floats), kShape.kv_heads,
+                                                            kShape.head_dim, question, scale);
+    CHECK(store.stats().max_mass_left <= report.epsilon);
+    CHECK(largest_error(out, exact) <= 2.0 * store.stats().max_mass_left * largest_value_norm(p) + 1e-5);
+  }
+}
+
+TEST_CASE("a write-through the tier refuses halfway leaves neither entries nor a record behind", "[tier][recall]") {
+  // A tier that takes `accepted` puts and then refuses.
+  class FailingTier final : public tier::Tier {
+   public:
+    int accepted = 1000;
+    [[nodiscard]] std::string describe() const override { return "failing"; }
+    void put(std::string_view key, std::span<const std::byte> bytes) override {
+      if (accepted-- <= 0) throw Error(ErrorCode::kUnavailable, "failing: full");
+      host.put(key, bytes);
+    }
+    [[nodiscard]] std::optional<std::vector<std::byte>> get(std::string_view key) override { return host.get(key); }
+    bool erase(std::string_view key) override { return host.erase(key); }
+    [[nodiscard]] tier::TierStats stats() const override { return host.stats(); }
+    tier::HostTier host{1 << 20};
+  };
+  FailingTier failing;
+  tier::RecallStore store(failing, "halfway", 4);
+  const index_t streams = 2, dim = 8, tokens = 10;  // 3 chunks x 2 streams
+  std::vector<float> rows(static_cast<std::size_t>(tokens * streams * dim));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
+  for (index_t t = 0; t < tokens; ++t) positions[static_cast<std::size_t>(t)] = 10 + t;
+  const std::size_t first_four = static_cast<std::size_t>(4 * streams * dim);
+  const auto head = std::span<const float>(rows).first(first_four);
+  const auto rest = std::span<const float>(rows).subspan(first_four);
+  store.write(7, 0, streams, dim, head, head, std::span(positions).first(4));
+  const std::size_t used = failing.host.used_bytes();
+  failing.accepted = 3;  // the fourth put of the next write fails
+  const auto refused =
+      test::thrown_error([&] { store.write(7, 0, streams, dim, rest, rest, std::span(positions).subspan(4)); });
+  REQUIRE(refused);
+  CHECK(refused->code() == ErrorCode::kUnavailable);
+  CHECK(failing.host.used_bytes() == used);  // the three entries it put are erased
+  CHECK(store.entries(7, 0, 0).size() == 1);
+  CHECK(store.entries(7, 0, 1).size() == 1);
+  failing.accepted = 1000;
+  store.write(7, 0, streams, dim, rest, rest, std::span(positions).subspan(4));  // the retry is taken
+  const StoredTokens back = store.read(7, 0, 1);
+  CHECK(back.positions.size() == static_cast<std::size_t>(tokens));
+  CHECK(back.keys[dim] == rows[3 * dim]);  // token 1 of stream 1
+
+  failing.accepted = 0;  // a first write to a new layer that fails leaves no record of it
+  CHECK(test::thrown_error([&] { store.write(7, 1, streams, dim, head, head, std::span(positions).first(4)); }));
+  CHECK(store.entries(7, 1, 0).empty());
+  failing.accepted = 1000;
+  store.demote(DroppedTokens{7, 1, 0, back});  // so the layer can still take either mode
+  CHECK(store.entries(7, 1, 0).size() == 3);
+}
+
 TEST_CASE("RecallStore refuses writes that do not fit", "[tier][recall]") {
   tier::HostTier host(1 << 20);
   tier::RecallStore store(host, "checks");
