@@ -7,7 +7,7 @@
 /// Version 1 carries whole pages: a sequence with tokens outside pages (the full-precision tail
 /// or exact prefix, or pages an evictor freed) is rejected with kUnsupported rather than written
 /// short. A chunk (PageFileOptions::first_page, page_count) needs only its own pages to hold
-/// consecutive tokens from the sequence's start (no exact prefix, nothing evicted): the tokens
+/// the tokens at positions 0, 1, … (no exact prefix, nothing evicted, no gap): the tokens
 /// after them may still be in the tail. Quest's page summaries are not written (a reader can
 /// recompute them from the pages).
 
@@ -107,14 +107,16 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
       const std::size_t pages = cache.pages(seq, writer, s).size();
       const std::int64_t in_pages = static_cast<std::int64_t>(pages) * h.page_size;
       if (chunk) {
-        // Page i holds tokens [i·page_size, (i + 1)·page_size) unless an exact prefix sits before
-        // the pages or an evictor dropped tokens; the tokens after the last page are in the tail.
+        // Page i holds the tokens at positions [i·page_size, (i + 1)·page_size) unless an exact
+        // prefix sits before the pages, an evictor dropped tokens or positions skip (positions
+        // increase from 0, so the last is tokens − 1 only without a gap); the tokens after the
+        // last page are in the tail.
         KVPACK_CHECK(cache.config().exact_prefix_tokens == 0 && cache.live_tokens(seq, writer, s) == tokens &&
-                         in_pages <= tokens,
+                         cache.last_position(seq, writer) + 1 == tokens && in_pages <= tokens,
                      kUnsupported,
                      detail::message("write_page_file: layer ", writer, " stream ", s, " of sequence ", seq,
-                                     " has an exact prefix or evicted tokens, so its pages do not hold consecutive "
-                                     "tokens from the start; a chunk of pages cannot be written"));
+                                     " has an exact prefix, evicted tokens or positions that skip, so its pages do "
+                                     "not hold the tokens at positions 0, 1, ...; a chunk of pages cannot be written"));
       } else {
         KVPACK_CHECK(in_pages == tokens, kUnsupported,
                      detail::message("write_page_file: layer ", writer, " stream ", s, " of sequence ", seq,

@@ -91,8 +91,8 @@ template <class Cache>
 /// full-precision tail (tokens not yet encoded, or the last page's worth that does not fill a
 /// page) is not stored; a later call stores it once the sequence has grown past it.
 /// \returns the chunks written, from chunk 0. \throws kUnsupported for a sequence whose pages
-/// do not hold consecutive tokens from its start (an exact prefix, evicted tokens); otherwise as
-/// io::write_page_file and Tier::put.
+/// do not hold the tokens at positions 0, 1, … (an exact prefix, evicted tokens, positions that
+/// skip); otherwise as io::write_page_file and Tier::put.
 template <class Cache>
 std::size_t store_chunks(Tier& tier, const Cache& cache, SeqId seq, std::span<const std::int32_t> tokens,
                          std::string_view model_id, index_t chunk_tokens, std::string_view salt = {}) {
@@ -142,6 +142,15 @@ void load_chunks(Tier& tier, Cache& cache, PrefixFetch& result, const std::vecto
       KVPACK_CHECK(view.header().model_id == model_id, kInvalidArgument,
                    detail::message(what, " is model '", view.header().model_id, "', not '", std::string(model_id), "'"));
       const SeqId longer = io::append_page_file(cache, result.seq, view, check);
+      // A chunk holds the tokens at positions c·chunk … (c + 1)·chunk − 1 (store_chunks refuses
+      // others since 2026-12-08; an older writer's may skip positions): the caller prefills from
+      // `tokens` on, so a prefix that ends elsewhere would be rotated to the wrong positions.
+      const std::int64_t last = cache.last_position(longer, 0);
+      if (last != static_cast<std::int64_t>((c + 1) * chunk) - 1) {
+        cache.release(longer);
+        result.stopped_because = detail::message(what, " ends at position ", last, ", not ", (c + 1) * chunk - 1);
+        return;
+      }
       cache.release(result.seq);
       result.seq = longer;
       result.tokens += chunk_tokens;

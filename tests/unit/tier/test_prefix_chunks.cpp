@@ -159,7 +159,7 @@ TEST_CASE("chunks are stored as far as the sequence's pages reach", "[tier][pref
         test::thrown_error([&] { (void)tier::store_chunks(host, with_sink, a, ids, kModel, kChunk); });
     REQUIRE(sink_error);
     CHECK(sink_error->code() == ErrorCode::kUnsupported);
-    CHECK_THAT(sink_error->what(), Catch::Contains("exact prefix or evicted tokens"));
+    CHECK_THAT(sink_error->what(), Catch::Contains("exact prefix, evicted tokens or positions that skip"));
     KVCache<layout::GQA, quant::Q8_0, evict::StreamingLLM<>> evicting(kShape, pages_of_16(), {}, {},
                                                                        evict::StreamingLLM<>{4, evict::Uniform{64}});
     const SeqId b = filled(evicting, 5 * kChunk, 5);
@@ -169,6 +169,41 @@ TEST_CASE("chunks are stored as far as the sequence's pages reach", "[tier][pref
     REQUIRE(evicted_error);
     CHECK(evicted_error->code() == ErrorCode::kUnsupported);
     CHECK(host.used_bytes() == 0);
+  }
+  SECTION("positions that skip: a reader would continue the prompt at the wrong position") {
+    Cache gapped(kShape, pages_of_16());
+    const SeqId seq = gapped.add_sequence();
+    const std::size_t row = static_cast<std::size_t>(kShape.kv_heads) * kShape.head_dim;
+    for (index_t layer = 0; layer < kShape.layers; ++layer) {
+      const std::vector<float> rows = test::random_rows(5 * kChunk * kShape.kv_heads, kShape.head_dim, 9);
+      gapped.append(seq, layer, std::span(rows).first(row), std::span(rows).first(row), 3);  // positions 3, 4, ...
+      gapped.prefill(seq, layer, std::span<const float>(rows).subspan(row), std::span<const float>(rows).subspan(row));
+    }
+    const auto gap_error =
+        test::thrown_error([&] { (void)tier::store_chunks(host, gapped, seq, ids, kModel, kChunk); });
+    REQUIRE(gap_error);
+    CHECK(gap_error->code() == ErrorCode::kUnsupported);
+    CHECK_THAT(gap_error->what(), Catch::Contains("positions that skip"));
+    CHECK(host.used_bytes() == 0);
+
+    // Such a chunk from a writer that did not check (here a whole file of 2 pages at positions
+    // 3 … 34 under chunk 0's key) is not loaded either.
+    Cache old_writer(kShape, pages_of_16());
+    const SeqId old_seq = old_writer.add_sequence();
+    for (index_t layer = 0; layer < kShape.layers; ++layer) {
+      const std::vector<float> rows = test::random_rows(kChunk * kShape.kv_heads, kShape.head_dim, 9);
+      old_writer.append(old_seq, layer, std::span(rows).first(row), std::span(rows).first(row), 3);
+      old_writer.prefill(old_seq, layer, std::span<const float>(rows).subspan(row),
+                         std::span<const float>(rows).subspan(row));
+    }
+    const std::span<const std::int32_t> first_chunk = std::span(ids).first(kChunk);
+    host.put(tier::chunk_keys(old_writer, ids, kModel, kChunk)[0],
+             io::write_page_file(old_writer, old_seq, {kModel, first_chunk}));
+    Cache target(kShape, pages_of_16());
+    const tier::PrefixFetch loaded = tier::fetch_prefix(host, target, ids, kModel, kChunk);
+    CHECK(loaded.tokens == 0);
+    CHECK_THAT(loaded.stopped_because, Catch::Contains("ends at position 34, not 31"));
+    CHECK(target.memory().pages_in_use == 0);
   }
 }
 
