@@ -15,8 +15,9 @@
 /// Codec parameters: a layer whose codec calibrates them (FP8's scales) and that has none yet
 /// takes the file's, as its first prefill would have set them; any other layer must already
 /// have the file's (kInvalidArgument otherwise). Table codecs (KVQuant, TurboQuant, QJL) must
-/// hold the file's tables: their PARM records are compared with the cache's, byte for byte. A load that fails after a layer took them
-/// leaves that layer calibrated (the parameters are the cache's, shared by its sequences).
+/// hold the file's tables: their PARM records are compared with the cache's, byte for byte. A
+/// load that fails after a layer took them leaves that layer calibrated (the parameters are the
+/// cache's, shared by its sequences), as a prefill of the same tokens would have.
 /// Not loaded (kUnsupported): caches with an exact prefix (its rows are fp32, not pages) or an
 /// evictor. A cache with a full-precision tail takes the pages as they are, its tail left empty
 /// for the tokens decoded next. Token ids in the file are not attached to the sequence.
@@ -133,7 +134,8 @@ SeqId load_into(Cache& cache, SeqId seq, const PageFileView& file, PageCheck che
 /// the call every page of the new sequence equals the file's, byte for byte.
 /// \param check what is verified of each page's contents (see PageCheck); kReencode trusts
 ///        nothing, kStructure only the checksums the reader verified
-/// \throws kvpack::Error, leaving the cache as it was (no sequence added, memory unchanged):
+/// \throws kvpack::Error, leaving the cache as it was (no sequence added, memory unchanged)
+///         except for codec parameters a layer took from the file (see the file comment):
 ///         kUnsupported for another quantizer, a cache with an exact prefix or an evictor;
 ///         kInvalidArgument for other codec parameters than a calibrated layer's, another shape,
 ///         layout, page size or RoPE, dead slots, positions that do not grow or differ between streams, a page that

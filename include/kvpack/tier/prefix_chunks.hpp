@@ -173,7 +173,8 @@ void load_chunks(Tier& tier, Cache& cache, PrefixFetch& result, const std::vecto
 }  // namespace chunk_detail
 
 /// A new sequence in `cache` holding the longest prefix of `tokens` whose chunks are all in
-/// `tier`. A chunk that is missing, cannot be read (kUnavailable), is damaged, holds another
+/// `tier`: up to every whole chunk of `tokens`, so an engine that needs the last prompt token's
+/// logits passes the prompt without it (add_sequence below leaves max(1, tail_tokens)). A chunk that is missing, cannot be read (kUnavailable), is damaged, holds another
 /// prefix or model, or does not fit ends the prefix there, and `stopped_because` says which.
 /// OutOfPages (the pool is full: an engine preempts) and exceptions that are not
 /// kvpack::Error reach the caller, with the new sequence released. `check` is what the loader

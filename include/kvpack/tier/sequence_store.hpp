@@ -62,7 +62,9 @@ std::size_t store_sequence(Tier& tier, std::string_view key, const Cache& cache,
 /// others may write to, kStructure to restore at copy speed from one only kvpack caches write.
 /// \throws kvpack::Error kInvalidArgument when the entry holds other tokens than `tokens` or is
 ///         damaged; kUnavailable when the tier cannot be read; the loader's errors (kUnsupported
-///         for a cache it cannot fill, OutOfPages). The cache is unchanged whenever it throws.
+///         for a cache it cannot fill, OutOfPages). The cache holds no new sequence and no new
+///         page whenever it throws; a layer that took the file's codec parameters on the way
+///         (FP8 calibrated from its first pages) keeps them, as io::load_page_file says.
 template <class Cache>
 [[nodiscard]] std::optional<SeqId> fetch_sequence(Tier& tier, std::string_view key, Cache& cache,
                                                   std::span<const std::int32_t> tokens,

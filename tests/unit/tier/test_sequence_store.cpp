@@ -74,6 +74,15 @@ TEST_CASE("sequence keys name everything that decides the bytes", "[tier]") {
   pages_of_16.page_size = 16;
   const Cache small_pages(test::kPageFileShape, pages_of_16);
   CHECK(key != tier::sequence_key(small_pages, source.tokens, kModel));
+  // The layout's parameters decide the bytes too: CrossLayer's K, MLA's dims.
+  const KVCache<layout::CrossLayer<layout::GQA, 2>, quant::Q8_0> share_2(test::kPageFileShape, CacheConfig{});
+  const KVCache<layout::CrossLayer<layout::GQA, 3>, quant::Q8_0> share_3(test::kPageFileShape, CacheConfig{});
+  CHECK(tier::sequence_key(share_2, source.tokens, kModel) != tier::sequence_key(share_3, source.tokens, kModel));
+  using Mla = KVCache<layout::MLA, quant::MLA<quant::Float<float>, quant::Float<float>>>;
+  const ModelShape mla_shape{2, 4, 1, 64};
+  const Mla narrow(mla_shape, CacheConfig{}, {}, layout::MLA{64, 16});
+  const Mla wide(mla_shape, CacheConfig{}, {}, layout::MLA{128, 16});
+  CHECK(tier::sequence_key(narrow, source.tokens, kModel) != tier::sequence_key(wide, source.tokens, kModel));
 }
 
 TEST_CASE("a fetch that cannot be trusted leaves the cache unchanged", "[tier]") {
