@@ -365,12 +365,16 @@ class KVCache {
     const std::size_t key_row = static_cast<std::size_t>(streams_) * key_dim_;
     const std::size_t value_row = static_cast<std::size_t>(streams_) * value_dim_;
     KVPACK_CHECK(!keys.empty() && keys.size() % key_row == 0, kInvalidArgument,
-                 detail::message("prefill: keys must hold T > 0 rows of kv_heads * head_dim = ", key_row,
+                 detail::message("prefill: keys must hold T > 0 rows of ",
+                                 kLatent ? "rope_dim (layout::MLA) = " : "kv_heads * head_dim = ", key_row,
                                  " elements, got ", keys.size()));
     const std::size_t tokens = keys.size() / key_row;
     KVPACK_CHECK(values.size() == tokens * value_row, kInvalidArgument,
-                 detail::message("prefill: values must hold ", tokens * value_row, " elements (",
-                                 tokens, " tokens), got ", values.size()));
+                 detail::message("prefill: values must hold ", tokens * value_row, " elements (", tokens, " tokens",
+                                 kLatent ? " of latent_dim" : "", "), got ", values.size()));
+    // MLA's cache never evicts, and its queries are not q_heads × head_dim wide.
+    KVPACK_CHECK(!kLatent || observation_queries.empty(), kInvalidArgument,
+                 "prefill: layout::MLA keeps every token; observation_queries must be empty");
     const std::size_t query_row = static_cast<std::size_t>(shape_.q_heads) * shape_.head_dim;
     KVPACK_CHECK(observation_queries.size() % query_row == 0, kInvalidArgument,
                  detail::message("prefill: observation_queries must hold rows of q_heads * head_dim = ",

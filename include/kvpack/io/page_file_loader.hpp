@@ -25,6 +25,7 @@
 /// append_page_file puts a chunk (PageFileOptions::first_page) after the pages a sequence holds,
 /// in a fork of it, so that a chunk that fails leaves the sequence as it was.
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -54,9 +55,15 @@ void check_compatible(const Cache& cache, const PageFileHeader& h) {
                                h.shape.q_heads, ", kv_heads ", h.shape.kv_heads, ", head_dim ", h.shape.head_dim,
                                ") is not the cache's (", shape.layers, ", ", shape.q_heads, ", ", shape.kv_heads, ", ",
                                shape.head_dim, ")"));
-  index_t layers_per_cache = 1;
-  if constexpr (requires { Layout::kLayersPerCache; }) layers_per_cache = Layout::kLayersPerCache;
-  KVPACK_CHECK(h.layout == Layout::kName && h.layers_per_cache == layers_per_cache, kInvalidArgument,
+  // The writer records min(K, layers) since 2026-12-07 (a K of at least the layer count is one
+  // cache for all, and a reader refuses a K above its limit); K itself before.
+  index_t layers_per_cache = 1, recorded = 1;
+  if constexpr (requires { Layout::kLayersPerCache; }) {
+    layers_per_cache = Layout::kLayersPerCache;
+    recorded = std::min<index_t>(layers_per_cache, shape.layers);
+  }
+  KVPACK_CHECK(h.layout == Layout::kName && (h.layers_per_cache == recorded || h.layers_per_cache == layers_per_cache),
+               kInvalidArgument,
                detail::message("load_page_file: the file's layout is ", h.layout, " (", h.layers_per_cache,
                                " layers per cache), the cache's ", Layout::kName, " (", layers_per_cache, ")"));
   const index_t key_dim = cache.layout().key_dim(shape);

@@ -65,13 +65,26 @@ PageFileHeader header_of(const Cache& cache, SeqId seq, const PageFileOptions& o
   PageFileHeader h;
   h.model_id = options.model_id;
   h.layout = std::string(Layout::kName);
-  if constexpr (requires { Layout::kLayersPerCache; }) h.layers_per_cache = Layout::kLayersPerCache;
+  // A K of at least the layer count is one cache for every layer (YOCO), whatever K is.
+  if constexpr (requires { Layout::kLayersPerCache; }) {
+    h.layers_per_cache = std::min<index_t>(Layout::kLayersPerCache, shape.layers);
+  }
   h.shape = shape;
   h.cache_layers = layout::cache_layers(layout, shape);
   h.streams = layout.streams(shape);
   h.key_dim = layout.key_dim(shape);
   h.value_dim = layout.value_dim(shape);
   h.page_size = cache.config().page_size;
+  using Limits = PageFileLimits;
+  KVPACK_CHECK(shape.layers <= Limits::kMaxLayers && shape.q_heads <= Limits::kMaxHeads &&
+                   shape.head_dim <= Limits::kMaxHeadDim && h.key_dim <= Limits::kMaxHeadDim &&
+                   h.value_dim <= Limits::kMaxHeadDim,
+               kUnsupported,
+               detail::message("write_page_file: page files hold at most ", Limits::kMaxLayers, " layers, ",
+                               Limits::kMaxHeads, " heads and rows of ", Limits::kMaxHeadDim,
+                               " floats (a reader refuses more); this cache has ", shape.layers, " layers, ",
+                               shape.q_heads, " query heads, head_dim ", shape.head_dim, ", rows of ", h.key_dim,
+                               " and ", h.value_dim));
   if (const auto& rope = cache.config().key_rope) {
     h.keys_before_rope = true;
     h.rope_pairing = static_cast<std::uint32_t>(rope->pairing);

@@ -159,18 +159,25 @@ struct LatentPartial {
 };
 
 /// out[h] = Σ_i e^{m_i − M} acc_i[h] / Σ_i e^{m_i − M} sum_i[h], M = max_i m_i: the softmax over
-/// all passes' tokens. A head no pass saw a live token for comes out 0, as from one pass.
+/// all passes' tokens. A head no pass saw a live token for comes out 0, as from one pass; a head
+/// whose scores were all NaN in some pass (its maximum stays −inf, its sum turns NaN) comes out
+/// NaN, as from one pass.
 inline void merge_latent_partials(std::span<const LatentPartial> parts, index_t group, index_t latent_dim,
                                   float* out) noexcept {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (index_t h = 0; h < group; ++h) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (const LatentPartial& part : parts) top = std::max(top, part.max[h]);
+    float top = kNegInf;
+    bool nan_scores = false;
+    for (const LatentPartial& part : parts) {
+      top = std::max(top, part.max[h]);
+      nan_scores = nan_scores || (part.max[h] == kNegInf && part.sum[h] != 0.0f);
+    }
     float* o = out + static_cast<std::size_t>(h) * latent_dim;
-    std::fill_n(o, latent_dim, 0.0f);
-    if (top == -std::numeric_limits<float>::infinity()) continue;
+    std::fill_n(o, latent_dim, nan_scores ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+    if (nan_scores || top == kNegInf) continue;
     float sum = 0.0f;
     for (const LatentPartial& part : parts) {
-      if (part.max[h] == -std::numeric_limits<float>::infinity()) continue;
+      if (part.max[h] == kNegInf) continue;
       const float weight = std::exp(part.max[h] - top);
       sum += weight * part.sum[h];
       const float* acc = part.acc.data() + static_cast<std::size_t>(h) * latent_dim;

@@ -18,6 +18,11 @@ namespace kvpack::inline v0::layout {
 template <Layout Inner, index_t K>
 struct CrossLayer {
   static_assert(K >= 1, "CrossLayer shares one cache across K >= 1 layers");
+  // What this wrapper does not pass on would be dropped silently: MLA's latent scoring and
+  // query width (the cache would attend it as GQA over the rope part), or an inner sharing.
+  static_assert(!scores_latent<Inner>, "CrossLayer over layout::MLA is not supported");
+  static_assert(!requires(const Inner& inner, const ModelShape& shape) { inner.cache_layers(shape); },
+                "CrossLayer over a layout that shares layers itself: use one CrossLayer with the product of the Ks");
   static constexpr std::string_view kName = "cross_layer";
   static constexpr index_t kLayersPerCache = K;
 
@@ -32,7 +37,7 @@ struct CrossLayer {
   [[nodiscard]] index_t value_dim(const ModelShape& shape) const noexcept { return inner.value_dim(shape); }
 
   [[nodiscard]] constexpr index_t cache_layers(const ModelShape& shape) const noexcept {
-    return (shape.layers + K - 1) / K;
+    return (shape.layers - 1) / K + 1;  // ⌈layers / K⌉ without overflow for a K near the index's largest
   }
   [[nodiscard]] constexpr index_t cache_layer_of(const ModelShape&, index_t layer) const noexcept { return layer / K; }
   [[nodiscard]] constexpr index_t writer_of(const ModelShape&, index_t cache_layer) const noexcept {

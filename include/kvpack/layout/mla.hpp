@@ -27,6 +27,10 @@ struct MLA {
   /// attend scores the value plane too: keys for scoring are [value plane ; key plane].
   static constexpr bool kScoresLatent = true;
 
+  /// The widest latent or rope row: what a page file holds (io::PageFileLimits), and small
+  /// enough that query_dim and the kernels' row widths cannot overflow.
+  static constexpr index_t kMaxDim = 16384;
+
   index_t latent_dim = 512;  ///< kv_lora_rank
   index_t rope_dim = 64;     ///< qk_rope_head_dim
 
@@ -35,9 +39,9 @@ struct MLA {
     KVPACK_CHECK(shape.kv_heads == 1, kInvalidConfig,
                  detail::message("layout::MLA keeps one latent stream per layer, shared by every query head: "
                                  "ModelShape.kv_heads must be 1, got ", shape.kv_heads));
-    KVPACK_CHECK(latent_dim > 0 && rope_dim > 0, kInvalidConfig,
-                 detail::message("layout::MLA needs latent_dim > 0 and rope_dim > 0, got ", latent_dim, " and ",
-                                 rope_dim));
+    KVPACK_CHECK(latent_dim > 0 && rope_dim > 0 && latent_dim <= kMaxDim && rope_dim <= kMaxDim, kInvalidConfig,
+                 detail::message("layout::MLA needs latent_dim and rope_dim in [1, ", kMaxDim, "], got ", latent_dim,
+                                 " and ", rope_dim));
   }
   [[nodiscard]] index_t streams(const ModelShape&) const noexcept { return 1; }
   [[nodiscard]] index_t stream_of_query_head(const ModelShape&, index_t) const noexcept { return 0; }

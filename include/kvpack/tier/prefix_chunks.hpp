@@ -143,7 +143,7 @@ void load_chunks(Tier& tier, Cache& cache, PrefixFetch& result, const std::vecto
                    detail::message(what, " is model '", view.header().model_id, "', not '", std::string(model_id), "'"));
       const SeqId longer = io::append_page_file(cache, result.seq, view, check);
       // A chunk holds the tokens at positions c·chunk … (c + 1)·chunk − 1 (store_chunks refuses
-      // others since 2026-12-08; an older writer's may skip positions): the caller prefills from
+      // others since 2026-12-07; an older writer's may skip positions): the caller prefills from
       // `tokens` on, so a prefix that ends elsewhere would be rotated to the wrong positions.
       const std::int64_t last = cache.last_position(longer, 0);
       if (last != static_cast<std::int64_t>((c + 1) * chunk) - 1) {

@@ -4,8 +4,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
 #include <vector>
 
+#include "kvpack/io/page_file.hpp"
 #include "kvpack/kvpack.hpp"
 #include "support/random_kv.hpp"
 
@@ -96,6 +98,23 @@ TEST_CASE("one cache for the whole model (YOCO) and per-layer parameters of the 
   CHECK_THROWS_AS(yoco.prefill(seq, 2, std::span<const float>(k), std::span<const float>(v)), Error);
   const auto q = test::random_rows(4, 32, 5);
   CHECK(attend(yoco, seq, 2, q) == attend(yoco, seq, 0, q));
+
+  // Any K of at least the layer count is YOCO, the largest included (⌈layers / K⌉ overflowed
+  // there until 2026-12-07), and its page file loads (a K above the reader's layer limit was
+  // written as it was, and refused on reading).
+  using Widest = KVCache<layout::CrossLayer<layout::GQA, std::numeric_limits<index_t>::max()>, quant::Float<float>>;
+  Widest widest(shape);
+  KVCache<layout::CrossLayer<layout::GQA, 8>, quant::Float<float>> eight(shape);
+  const SeqId one = widest.add_sequence(), other = eight.add_sequence();
+  const auto whole_pages_k = test::random_rows(64 * 2, 32, 6), whole_pages_v = test::random_rows(64 * 2, 32, 7);
+  widest.prefill(one, 0, std::span<const float>(whole_pages_k), std::span<const float>(whole_pages_v));
+  eight.prefill(other, 0, std::span<const float>(whole_pages_k), std::span<const float>(whole_pages_v));
+  CHECK(widest.memory().total() == eight.memory().total());
+  CHECK(attend(widest, one, 2, q) == attend(eight, other, 0, q));
+  const std::vector<std::byte> file = io::write_page_file(widest, one, {"yoco", {}});
+  Widest loaded(shape);
+  const SeqId back = io::load_page_file(loaded, io::PageFileView::parse(file, "yoco file"));
+  CHECK(attend(loaded, back, 1, q) == attend(widest, one, 1, q));
 }
 
 TEST_CASE("per-head static FP8 scales must be rows of the model's shape", "[cache][cross_layer][errors]") {

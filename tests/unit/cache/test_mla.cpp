@@ -273,6 +273,40 @@ TEST_CASE("the latent kernel carries NaN and Inf like the reference on every ISA
   });
 }
 
+TEST_CASE("a head whose query is NaN comes out NaN whether its pages run on one thread or several", "[cache][mla]") {
+  // Every score of head 0 is NaN: one pass leaves its maximum at -inf and its sum NaN, so the
+  // output is NaN; merging passes took that maximum for "no token seen" and wrote 0 (until
+  // 2026-12-07). The other heads agree between the two.
+  using Quantizer = quant::MLA<quant::Float<float>, quant::Float<float>>;
+  const index_t heads = 4, latent = 32, rope = 32, page = 16, tokens = 2000;  // 4 chunks: 4 runs on threads
+  CacheConfig config;
+  config.page_size = page;
+  config.check_inputs = false;
+  ThreadPool threads(3);
+  CacheConfig split_config = config;
+  split_config.executor = [&threads](index_t count, const std::function<void(index_t)>& task) { threads(count, task); };
+  using Cache = KVCache<layout::MLA, Quantizer>;
+  Cache single(ModelShape{1, heads, 1, 64}, config, {}, layout::MLA{latent, rope});
+  Cache split(ModelShape{1, heads, 1, 64}, split_config, {}, layout::MLA{latent, rope});
+  const LatentRows rows = latent_rows(tokens, latent, rope, 92);
+  auto queries = test::random_rows(heads, latent + rope, 93);
+  queries[0] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> one(static_cast<std::size_t>(heads) * latent), many(one.size());
+  for (auto [cache, out] : {std::pair{&single, &one}, std::pair{&split, &many}}) {
+    const SeqId seq = cache->add_sequence();
+    cache->prefill(seq, 0, std::span<const float>(rows.rope_keys), std::span<const float>(rows.latents));
+    cache->attend(seq, 0, std::span<const float>(queries), std::span<float>(*out), 0.2f);
+  }
+  for (index_t c = 0; c < latent; ++c) {
+    CHECK(std::isnan(one[static_cast<std::size_t>(c)]));
+    CHECK(std::isnan(many[static_cast<std::size_t>(c)]));
+  }
+  for (std::size_t i = static_cast<std::size_t>(latent); i < one.size(); ++i) {
+    CHECK(std::isfinite(many[i]));
+    CHECK(many[i] == Approx(one[i]).margin(1e-5));
+  }
+}
+
 TEST_CASE("MLA holds DeepSeek-V2's 576 elements per token and layer, 57x fewer bytes than MHA", "[cache][mla]") {
   // DeepSeek-V2: 128 heads of 128 channels; latent 512, decoupled RoPE key 64.
   const ModelShape shape{2, 128, 1, 128};
@@ -394,7 +428,12 @@ TEST_CASE("MLA caches share prompt prefixes and fork like GQA ones", "[cache][ml
 TEST_CASE("MLA rejects what it cannot hold, with a reason", "[cache][mla][errors]") {
   using Cache = KVCache<layout::MLA, quant::MLA<quant::Float<half>>>;
   CHECK_THROWS_WITH(Cache(ModelShape{1, 8, 2, 128}), Catch::Contains("kv_heads must be 1"));
-  CHECK_THROWS_WITH(Cache(ModelShape{1, 8, 1, 128}, {}, {}, layout::MLA{0, 64}), Catch::Contains("latent_dim > 0"));
+  CHECK_THROWS_WITH(Cache(ModelShape{1, 8, 1, 128}, {}, {}, layout::MLA{0, 64}),
+                    Catch::Contains("latent_dim and rope_dim in [1, 16384], got 0 and 64"));
+  // Widths whose sum would overflow the query's width, or that no page file could hold.
+  CHECK_THROWS_WITH(Cache(ModelShape{1, 8, 1, 128}, {}, {}, layout::MLA{std::numeric_limits<index_t>::max(), 1}),
+                    Catch::Contains("in [1, 16384]"));
+  CHECK_THROWS_WITH(Cache(ModelShape{1, 8, 1, 128}, {}, {}, layout::MLA{512, 16385}), Catch::Contains("in [1, 16384]"));
   CacheConfig pre_rope;
   pre_rope.key_rope = RopeSpec{};
   CHECK_THROWS_WITH(Cache(ModelShape{1, 8, 1, 128}, pre_rope), Catch::Contains("key_rope must be unset"));
@@ -407,7 +446,16 @@ TEST_CASE("MLA rejects what it cannot hold, with a reason", "[cache][mla][errors
   const LatentRows rows = latent_rows(10, 64, 32, 80);
   // Keys and values swapped: 10 rows of 64 are not rows of rope_dim 32 with 10 latents of 64.
   CHECK_THROWS_WITH(cache.prefill(seq, 0, std::span<const float>(rows.latents), std::span<const float>(rows.rope_keys)),
-                    Catch::Contains("values must hold"));
+                    Catch::Contains("values must hold 1280 elements (20 tokens of latent_dim)"));
+  // The keys' rows are rope_dim wide (32), not head_dim (128), and the message says so.
+  CHECK_THROWS_WITH(cache.prefill(seq, 0, std::span<const float>(rows.rope_keys).first(33),
+                                  std::span<const float>(rows.latents)),
+                    Catch::Contains("rows of rope_dim (layout::MLA) = 32 elements, got 33"));
+  const std::vector<float> observation(8 * 128);
+  CHECK_THROWS_WITH(cache.prefill(seq, 0, std::span<const float>(rows.rope_keys), std::span<const float>(rows.latents),
+                                  std::span<const float>(observation)),
+                    Catch::Contains("observation_queries must be empty"));
+  CHECK(cache.length(seq, 0) == 0);
   cache.prefill(seq, 0, std::span<const float>(rows.rope_keys), std::span<const float>(rows.latents));
   std::vector<float> q(8 * 64), out(8 * 64);  // a query without its RoPE part
   CHECK_THROWS_WITH(cache.attend(seq, 0, std::span<const float>(q), std::span<float>(out), 0.1f),

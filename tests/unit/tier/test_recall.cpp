@@ -599,7 +599,8 @@ TEST_CASE("dropped slots of a page attend read are missing from an empty store, 
           "[tier][recall]") {
   // H2O drops 3 of 64 tokens, slots of pages that stay and are read: each span's range holds
   // live tokens. Those were read, not left unread, so they cannot stand in for the dropped ones
-  // (before 2026-12-08 they did: recall returned, missing the needle, and claimed ≤ epsilon).
+  // (they did until the eighth session of 2026-12-07: recall returned, missing the needle, and
+  // claimed ≤ epsilon).
   using Cache = KVCache<layout::GQA, quant::Float<float>, evict::H2O<>, select::Quest>;
   CacheConfig config;
   config.page_size = 32;
