@@ -148,6 +148,9 @@ class KVCache {
     }
     quantizer_.key.validate(key_geometry());
     quantizer_.value.validate(value_geometry());
+    // A bad KVPACK_ISA is reported here: the write path picks its encoder where it may no
+    // longer throw, and the choice is made once per process.
+    (void)dispatch::active_cpu_isa();
     // Codecs whose parameters were made for one model (FP8's static per-head scales, KVQuant's
     // calibration) check its shape; their tables are indexed by model layer and KV stream.
     if constexpr (requires { quantizer_.key.check_model(shape_.layers, streams_); }) {

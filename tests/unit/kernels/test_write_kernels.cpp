@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cfenv>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -270,6 +271,19 @@ TEST_CASE("every ISA encodes Q4_0 pages with exactly the codec's scalar bytes", 
       check_plane_encoding<Keys>(g, stride, rows);
       check_plane_encoding<Values>(g, stride, rows);
     }
+  }
+}
+
+TEST_CASE("every ISA encodes Q4_0 pages as the scalar encoder does under any rounding mode", "[kernels][cpu][write]") {
+  // The scalar encoder rounds its products by the current mode; the AVX-512 one rounded to
+  // nearest whatever it was until 2026-12-07, so codes near a boundary differed.
+  for (const int mode : {FE_TOWARDZERO, FE_UPWARD, FE_DOWNWARD}) {
+    const quant::PageGeometry g{32, 128};
+    const std::vector<float> rows = q4_0_rows(g.page_size, g.head_dim, g.head_dim, 3100 + mode);
+    REQUIRE(std::fesetround(mode) == 0);
+    check_plane_encoding<quant::Q4_0Codec<Plane::kKey>>(g, g.head_dim, rows);
+    check_plane_encoding<quant::Q4_0Codec<Plane::kValue>>(g, g.head_dim, rows);
+    REQUIRE(std::fesetround(FE_TONEAREST) == 0);
   }
 }
 

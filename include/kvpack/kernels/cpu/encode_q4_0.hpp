@@ -51,7 +51,9 @@ KVPACK_ALWAYS_INLINE __m128i quantize_block(const float* x, std::byte* scale) no
   const std::uint16_t bits = half(d).bits;
   std::memcpy(scale, &bits, sizeof(bits));
 
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  // The current rounding mode, as the scalar encoder rounds (the _round forms keep the compiler
+  // from fusing the product and the sum into an FMA, which would round once).
+  constexpr int kRound = _MM_FROUND_CUR_DIRECTION;
   const auto codes = [&](__m512 v) KVPACK_ALWAYS_INLINE_LAMBDA {
     v = _mm512_add_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(inverse), kRound), _mm512_set1_ps(8.5f), kRound);
     const __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);

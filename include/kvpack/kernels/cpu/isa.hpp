@@ -10,6 +10,8 @@
 
 #include <cpuid.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -104,24 +106,27 @@ template <class Arch>
   }
 }
 
-/// The target the dispatch library should run: KVPACK_ISA when set (an error if this CPU cannot
-/// run it or the name is unknown), otherwise the best one the CPU supports.
-[[nodiscard]] inline std::string_view selected_isa() {
+namespace detail {
+
+/// KVPACK_ISA (any case) or, unset or empty, the best target this CPU runs; the name returned
+/// is the library's own constant, not a view into the environment.
+[[nodiscard]] inline std::string_view resolve_isa() {
   if (const char* forced = std::getenv("KVPACK_ISA"); forced != nullptr && *forced != '\0') {
-    const std::string_view name(forced);
-    bool known = false;
+    std::string name(forced);
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+    std::string_view chosen;
     bool runnable = false;
     cpu_archs::for_each([&](auto arch) {
       if (isa_name<decltype(arch)>() == name) {
-        known = true;
+        chosen = isa_name<decltype(arch)>();
         runnable = cpu_supports<decltype(arch)>();
       }
     });
-    KVPACK_CHECK(known, kInvalidConfig,
-                 ::kvpack::detail::message("KVPACK_ISA=", name, " is not one of avx512, avx2, sse2"));
+    KVPACK_CHECK(!chosen.empty(), kInvalidConfig,
+                 ::kvpack::detail::message("KVPACK_ISA=", forced, " is not one of avx512, avx2, sse2"));
     KVPACK_CHECK(runnable, kUnsupported,
-                 ::kvpack::detail::message("KVPACK_ISA=", name, " was forced but this CPU cannot run it"));
-    return name;
+                 ::kvpack::detail::message("KVPACK_ISA=", forced, " was forced but this CPU cannot run it"));
+    return chosen;
   }
   std::string_view best = "sse2";
   bool found = false;
@@ -132,6 +137,17 @@ template <class Arch>
     }
   });
   return best;
+}
+
+}  // namespace detail
+
+/// The target the dispatch library should run: KVPACK_ISA when set (an error if this CPU cannot
+/// run it or the name is unknown), otherwise the best one the CPU supports. Read once per
+/// process, so every kernel runs the same target whatever the environment does later; a bad
+/// setting throws on every call (KVCache's constructor makes the first, before any write).
+[[nodiscard]] inline std::string_view selected_isa() {
+  static const std::string_view chosen = detail::resolve_isa();
+  return chosen;
 }
 
 }  // namespace kvpack::inline v0::kernels::cpu
