@@ -25,11 +25,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "common/cli.hpp"
@@ -421,6 +424,12 @@ void print_detector(const Options& o, const std::vector<Row>& rows) {
 }
 
 /// `text` as a JSON string literal (quotes, backslashes and control characters escaped).
+/// `x` formatted by `spec` ("{:.4f}"), or `missing` when it is NaN or infinite: JSON has no
+/// such numbers (an error that could not be measured, a needle that did not run).
+std::string finite_or(double x, const char* spec, std::string_view missing = "null") {
+  return std::isfinite(x) ? fmt::format(fmt::runtime(spec), x) : std::string(missing);
+}
+
 std::string json_string(std::string_view text) {
   std::string out = "\"";
   for (const char c : text) {
@@ -444,15 +453,37 @@ std::string prefilled_json(const std::optional<llama2c::PrefilledResult>& m) {
                      m->kept_fraction, m->decode_loss, m->name_question_after, m->name_question_in_window);
 }
 
-void write_json(const std::string& path, const Options& o, const eval::SyntheticSpec& spec,
-                const std::vector<Row>& rows, const std::optional<llama2c::PrefilledResult>& prefilled_reference) {
-  auto file = fmt::output_file(path);
-  file.print("{{\n  \"workload\": {{\"kind\": {}, \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, "
-             "\"head_dim\": {}, \"outlier_channels\": {}, \"outlier_scale\": {}, \"rope_theta\": {}, \"seed\": {}}},\n"
-             "  \"isa\": \"{}\",\n  \"rows\": [\n",
-             json_string(o.kv_dump.empty() ? "synthetic" : "kv_dump " + o.kv_dump), spec.tokens, spec.q_heads, spec.kv_heads,
-             spec.head_dim, spec.outlier_channels, spec.outlier_scale, spec.rope_theta, spec.seed,
-             dispatch::active_cpu_isa());
+/// Writes `path` whole or not at all: `print` fills a temporary file beside it, which is closed
+/// (a full disk reported there, not lost in a destructor) and renamed over `path`, so a failed
+/// write never leaves a truncated file that reads like a result.
+void write_whole_file(const std::string& path, const std::function<void(fmt::ostream&)>& print) {
+  const std::string temporary = path + ".tmp";
+  try {
+    auto file = fmt::output_file(temporary);
+    print(file);
+    file.close();
+    std::filesystem::rename(temporary, path);
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(temporary, ignored);
+    throw;
+  }
+}
+
+void write_json(fmt::ostream& file, const Options& o, const eval::SyntheticSpec& spec, const std::vector<Row>& rows,
+                const std::optional<llama2c::PrefilledResult>& prefilled_reference) {
+  // A dump's keys and values are its own: the generator's outliers and RoPE base describe only
+  // synthetic ones, and a dump's calibration overlaps the data evaluated.
+  const std::string workload =
+      o.kv_dump.empty()
+          ? fmt::format("\"kind\": \"synthetic\", \"outlier_channels\": {}, \"outlier_scale\": {}, \"rope_theta\": {}",
+                        spec.outlier_channels, spec.outlier_scale, spec.rope_theta)
+          : fmt::format("\"kind\": \"kv_dump\", \"file\": {}, \"layer\": {}, \"group\": {}, \"rope_theta\": {}, "
+                        "\"calibration_overlaps_data\": true",
+                        json_string(o.kv_dump), o.dump_layer, o.dump_group, o.dump_rope_theta);
+  file.print("{{\n  \"workload\": {{{}, \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, \"head_dim\": {}, "
+             "\"seed\": {}}},\n  \"isa\": \"{}\",\n  \"rows\": [\n",
+             workload, spec.tokens, spec.q_heads, spec.kv_heads, spec.head_dim, spec.seed, dispatch::active_cpu_isa());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const auto cells = [](const eval::NeedleReport& report) {
@@ -503,17 +534,18 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
     }
     file.print("    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
                "\"bits_per_stored_element\": {:.4f}, \"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
-               "\"key_reconstruction_rel_error\": {:.6g}, \"value_reconstruction_rel_error\": {:.6g}, "
-               "\"attention_rel_error_mean\": {:.6g}, \"attention_rel_error_p99\": {:.6g}, "
-               "\"needle_recall\": {:.4f}, \"needle_retrieved\": {:.4f}, \"needle\": [{}], \"needle_detector\": {}, "
+               "\"key_reconstruction_rel_error\": {}, \"value_reconstruction_rel_error\": {}, "
+               "\"attention_rel_error_mean\": {}, \"attention_rel_error_p99\": {}, "
+               "\"needle_recall\": {}, \"needle_retrieved\": {}, \"needle\": [{}], \"needle_detector\": {}, "
                "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"needle_pinned\": {}, \"needle_recall_from_tier\": {}, "
                "\"needle_recall_by_demotion\": {}, \"real_model\": {}, "
                "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
                json_string(r.policy), json_string(r.description),
                r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element,
                r.bits_per_stored_element, r.payload_bits,
-               r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values, r.error.mean,
-               r.error.p99, r.needle.recall(), r.needle.retrieval(), needle, detector,
+               r.sequence_bytes, finite_or(r.reconstruction.keys, "{:.6g}"), finite_or(r.reconstruction.values, "{:.6g}"),
+               finite_or(r.error.mean, "{:.6g}"), finite_or(r.error.p99, "{:.6g}"),
+               finite_or(r.needle.recall(), "{:.4f}"), finite_or(r.needle.retrieval(), "{:.4f}"), needle, detector,
                r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, demoted, model,
                r.decode_gbps, r.seconds_per_attend, r.vs_f16,
                i + 1 < rows.size() ? "," : "");
@@ -525,21 +557,54 @@ void write_json(const std::string& path, const Options& o, const eval::Synthetic
              eval::NeedleSpec{}.detector_epsilon(), o.model_budget, prefilled_json(prefilled_reference));
 }
 
-void write_csv(const std::string& path, const std::vector<Row>& rows) {
-  auto file = fmt::output_file(path);
+void write_csv(fmt::ostream& file, const std::vector<Row>& rows) {
   file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,"
              "key_reconstruction_rel_error,value_reconstruction_rel_error,attention_rel_error_mean,"
              "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16,"
              "budget_tokens,kept_fraction,needle_retrieved,bits_per_stored_element\n");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) continue;  // the table and the JSON say why
-    file.print("{},{:.4f},{:.4f},{:.0f},{:.6g},{:.6g},{:.6g},{:.6g},{:.4f},{},{},{:.3f},{:.4f},{},{:.4f},{:.4f},{:.4f}\n",
-               r.policy,
-               r.bits_per_element, r.payload_bits, r.sequence_bytes, r.reconstruction.keys, r.reconstruction.values,
-               r.error.mean, r.error.p99, r.needle.recall(),
+    // Errors that could not be measured and a needle that did not run are empty fields.
+    file.print("{},{:.4f},{:.4f},{:.0f},{},{},{},{},{},{},{},{:.3f},{:.4f},{},{:.4f},{},{:.4f}\n", r.policy,
+               r.bits_per_element, r.payload_bits, r.sequence_bytes, finite_or(r.reconstruction.keys, "{:.6g}", ""),
+               finite_or(r.reconstruction.values, "{:.6g}", ""), finite_or(r.error.mean, "{:.6g}", ""),
+               finite_or(r.error.p99, "{:.6g}", ""), finite_or(r.needle.recall(), "{:.4f}", ""),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
                model_cell(r, [](const llama2c::PolicyResult& m) { return m.text.kl; }, "{:.6g}"),
-               r.decode_gbps, r.vs_f16, r.budget_tokens, r.kept, r.needle.retrieval(), r.bits_per_stored_element);
+               r.decode_gbps, r.vs_f16, r.budget_tokens, r.kept, finite_or(r.needle.retrieval(), "{:.4f}", ""),
+               r.bits_per_stored_element);
+  }
+}
+
+/// Refuses, before any work, a --budget some selected evictor cannot keep (SnapKV's window,
+/// StreamingLLM's sinks), needle contexts the needle suite refuses or an output file in a
+/// directory that does not exist: the error phase marks such a policy n/a, but the others would
+/// end the run minutes in, with nothing written.
+void check_settings(const Options& o, const std::vector<eval::Policy>& policies, const eval::SyntheticSpec& spec,
+                    const eval::PolicyInputs& inputs) {
+  for (const eval::Policy& policy : policies) {
+    if (policy.budget_tokens == 0) continue;
+    try {
+      (void)policy.make({1, spec.q_heads, spec.kv_heads, spec.head_dim}, {}, inputs);
+    } catch (const kvpack::Error& e) {
+      throw UsageError{fmt::format("--budget {}: policy {} refuses it: {}", o.budget, policy.name, e.what())};
+    }
+  }
+  for (const std::string* path : {&o.json_path, &o.csv_path, &o.plot_path}) {
+    if (path->empty()) continue;
+    const std::filesystem::path directory = std::filesystem::absolute(*path).parent_path();
+    if (!std::filesystem::is_directory(directory)) {
+      throw UsageError{fmt::format("{}: the directory {} does not exist", *path, directory.string())};
+    }
+  }
+  if (!o.needle_contexts.empty()) {
+    eval::NeedleSpec needle;
+    needle.contexts = o.needle_contexts;
+    try {
+      needle.validate();
+    } catch (const kvpack::Error& e) {
+      throw UsageError{fmt::format("--needle-contexts: {}", e.what())};
+    }
   }
 }
 
@@ -616,6 +681,7 @@ int run(const Options& o) {
     inputs = {rope, std::make_shared<const std::vector<eval::LayerKV>>(std::vector<eval::LayerKV>{sample})};
     fmt::print("  calibration (kvquant-*): the dump's first {} tokens (overlaps the evaluated data)\n\n", sample.tokens);
   }
+  check_settings(o, policies, spec, inputs);
 
   std::vector<Row> rows(policies.size());
   {
@@ -776,11 +842,11 @@ int run(const Options& o) {
   print_detector(o, rows);
 
   if (!o.json_path.empty()) {
-    write_json(o.json_path, o, spec, rows, prefilled_reference);
+    write_whole_file(o.json_path, [&](fmt::ostream& file) { write_json(file, o, spec, rows, prefilled_reference); });
     fmt::print("rows written to {}\n", o.json_path);
   }
   if (!o.csv_path.empty()) {
-    write_csv(o.csv_path, rows);
+    write_whole_file(o.csv_path, [&](fmt::ostream& file) { write_csv(file, rows); });
     fmt::print("rows written to {}\n", o.csv_path);
   }
   end_phase("tables");

@@ -3,6 +3,7 @@
 /// \brief One policy's attention-output error on one layer of K/V: the number compare_policies
 ///        and the asymmetry experiment report.
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 #include <vector>
@@ -19,6 +20,9 @@ namespace kvpack::inline v0::eval {
 inline std::vector<std::vector<double>> exact_outputs(const LayerKV& kv, std::span<const float> queries,
                                                       index_t q_heads) {
   const std::size_t row = static_cast<std::size_t>(q_heads) * kv.head_dim;
+  KVPACK_CHECK(q_heads > 0 && queries.size() % row == 0, kInvalidArgument,
+               detail::message("exact_outputs: ", queries.size(), " query floats are not rows of q_heads * head_dim = ",
+                               row));
   std::vector<std::vector<double>> out;
   for (std::size_t n = 0; n < queries.size() / row; ++n) {
     out.push_back(exact_attention(kv.keys, kv.values, kv.kv_heads, kv.head_dim, queries.subspan(n * row, row),
@@ -33,6 +37,11 @@ inline Summary attention_error(const AnyCache& cache, SeqId seq, index_t layer, 
                                const std::vector<std::vector<double>>& exact) {
   const index_t q_heads = cache.shape().q_heads, d = cache.shape().head_dim;
   const std::size_t row = static_cast<std::size_t>(q_heads) * d;
+  KVPACK_CHECK(queries.size() == exact.size() * row &&
+                   std::all_of(exact.begin(), exact.end(), [&](const std::vector<double>& e) { return e.size() == row; }),
+               kInvalidArgument,
+               detail::message("attention_error: ", queries.size(), " query floats and ", exact.size(),
+                               " reference outputs for rows of q_heads * head_dim = ", row));
   std::vector<float> out(row);
   std::vector<double> errors;
   for (std::size_t n = 0; n < exact.size(); ++n) {

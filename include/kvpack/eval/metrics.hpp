@@ -30,7 +30,9 @@ inline double relative_error(std::span<const float> out, std::span<const double>
   return std::sqrt(diff / norm);
 }
 
-/// Mean, 99th percentile (nearest rank) and maximum of a sample.
+/// Mean, 99th percentile (nearest rank) and maximum of a sample. A NaN in the sample (an error
+/// that could not be measured) ranks above everything, as +inf: the maximum says so and the
+/// mean is NaN.
 struct Summary {
   double mean = 0.0;
   double p99 = 0.0;
@@ -42,7 +44,9 @@ inline Summary summarize(std::vector<double> sample) {
   Summary s;
   s.count = sample.size();
   if (sample.empty()) return s;
-  std::sort(sample.begin(), sample.end());
+  // NaN compares false with everything, which std::sort may not be given.
+  std::sort(sample.begin(), sample.end(),
+            [](double a, double b) { return std::isnan(b) ? !std::isnan(a) : a < b; });
   s.mean = std::accumulate(sample.begin(), sample.end(), 0.0) / static_cast<double>(sample.size());
   const auto rank = static_cast<std::size_t>(std::ceil(0.99 * static_cast<double>(sample.size())));
   s.p99 = sample[std::clamp<std::size_t>(rank, 1, sample.size()) - 1];
@@ -183,10 +187,13 @@ class LogitComparison {
  public:
   /// `ref` and `logits`: both runs' logits predicting `target`.
   void add(std::span<const float> ref, std::span<const float> logits, std::size_t target) {
+    KVPACK_CHECK(ref.size() == logits.size(), kInvalidArgument,
+                 detail::message("LogitComparison::add: ", ref.size(), " reference and ", logits.size(), " logits"));
     KVPACK_CHECK(target < logits.size(), kInvalidArgument, "LogitComparison::add: target outside the vocabulary");
+    const double kl = logit_kl(ref, logits);  // everything computed before any total changes
     loss_ref_ += -log_softmax(ref)[target];
     loss_ += -log_softmax(logits)[target];
-    kl_ += logit_kl(ref, logits);
+    kl_ += kl;
     agree_ += argmax(ref) == argmax(logits) ? 1 : 0;
     ++count_;
   }

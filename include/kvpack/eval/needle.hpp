@@ -109,6 +109,7 @@ struct NeedleCell {
   /// (AnyCache::certifies_unread; NeedleSpec::detector_epsilon): `fired` heads, of which
   /// `hits` failed recall and `false_alarms` recalled; `misses` failed recall without firing.
   int detector_trials = 0;
+  int detector_scored = 0;  ///< of them, scored as hit, miss or false alarm (not recall_from_tier)
   int fired = 0;
   int hits = 0;
   int misses = 0;
@@ -145,15 +146,16 @@ struct DetectorRates {
 struct NeedleReport {
   std::vector<NeedleCell> cells;  ///< context-major, depths in NeedleSpec order
 
+  /// Shares over every trial; NaN when none ran (not 0: a needle that was not asked did not fail).
   [[nodiscard]] double recall() const noexcept {
     int recalled = 0, trials = 0;
     for (const NeedleCell& c : cells) recalled += c.recalled, trials += c.trials;
-    return trials == 0 ? 0.0 : static_cast<double>(recalled) / trials;
+    return trials == 0 ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(recalled) / trials;
   }
   [[nodiscard]] double retrieval() const noexcept {
     int retrieved = 0, trials = 0;
     for (const NeedleCell& c : cells) retrieved += c.retrieved, trials += c.trials;
-    return trials == 0 ? 0.0 : static_cast<double>(retrieved) / trials;
+    return trials == 0 ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(retrieved) / trials;
   }
   /// The detector's rates over every cell, or those of one context when `context` > 0.
   [[nodiscard]] DetectorRates detector(index_t context = 0) const noexcept {
@@ -164,7 +166,7 @@ struct NeedleReport {
       rates.misses += c.misses;
       rates.false_alarms += c.false_alarms;
       rates.failed += c.hits + c.misses;
-      rates.recalled += c.detector_trials - c.hits - c.misses;
+      rates.recalled += c.detector_scored - c.hits - c.misses;  // with recall from a tier, none
     }
     return rates;
   }
@@ -500,6 +502,7 @@ class NeedleSuite {
         ++cell.detector_trials;
         cell.fired += fired ? 1 : 0;
         if (store) continue;  // recall acted on the fire: a recalled head is no false alarm
+        ++cell.detector_scored;
         cell.hits += !recalled && fired ? 1 : 0;
         cell.misses += !recalled && !fired ? 1 : 0;
         cell.false_alarms += recalled && fired ? 1 : 0;

@@ -4,6 +4,7 @@
 ///        codec's error before attention mixes it.
 
 #include <cmath>
+#include <limits>
 
 #include "kvpack/error.hpp"
 #include "kvpack/eval/policies.hpp"
@@ -46,8 +47,13 @@ inline ReconstructionError reconstruction_error(const AnyCache& cache, SeqId seq
       }
     }
   }
-  return {key_norm > 0.0 ? std::sqrt(key_error / key_norm) : std::sqrt(key_error),
-          value_norm > 0.0 ? std::sqrt(value_error / value_norm) : std::sqrt(value_error)};
+  // As relative_error: 0 when both are zero, +inf when only the input is (not an absolute
+  // error in a column of relative ones).
+  const auto relative = [](double error, double norm) {
+    if (norm > 0.0) return std::sqrt(error / norm);
+    return error == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+  };
+  return {relative(key_error, key_norm), relative(value_error, value_norm)};
 }
 
 }  // namespace kvpack::inline v0::eval

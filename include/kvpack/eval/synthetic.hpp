@@ -53,6 +53,10 @@ struct SyntheticSpec {
     KVPACK_CHECK(outlier_channels >= 0 && 2 * outlier_channels <= head_dim, kInvalidConfig,
                  detail::message("SyntheticSpec: outlier_channels ", outlier_channels,
                                  " must be in [0, head_dim / 2]"));
+    KVPACK_CHECK(sink_tokens >= 0 && content_matches >= 0 && rope_theta > 1.0f && outlier_scale > 0.0f, kInvalidConfig,
+                 detail::message("SyntheticSpec: sink_tokens (", sink_tokens, ") and content_matches (",
+                                 content_matches, ") must be >= 0, rope_theta (", rope_theta, ") > 1 and outlier_scale (",
+                                 outlier_scale, ") > 0"));
   }
 };
 
@@ -216,6 +220,7 @@ inline std::vector<float> make_queries(const SyntheticSpec& spec, const LayerKV&
         const float* k = kv.key(t, head);
         double norm2 = 0.0;
         for (index_t c = 0; c < d; ++c) norm2 += static_cast<double>(k[c]) * k[c];
+        if (norm2 == 0.0) return;  // a zero key (a dump's padding) scores 0 whatever the query
         for (index_t c = 0; c < d; ++c) q[c] += static_cast<float>(boost * sqrt_d * k[c] / norm2);
       };
       for (index_t t = 0; t < std::min(spec.sink_tokens, visible); ++t) raise(t, spec.sink_boost - t);

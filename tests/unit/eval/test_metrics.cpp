@@ -29,6 +29,15 @@ TEST_CASE("summarize gives mean, nearest-rank p99 and max", "[eval][metrics]") {
   CHECK(s.p99 == 99.0);
   CHECK(s.max == 100.0);
   CHECK(summarize({}).count == 0);
+  // An error that could not be measured (NaN) ranks above everything: the maximum says so, the
+  // mean is NaN, and the finite ones keep their order (a NaN in std::sort is undefined).
+  std::vector<double> with_nan(sample);
+  with_nan.insert(with_nan.begin() + 40, std::numeric_limits<double>::quiet_NaN());
+  const Summary n = summarize(with_nan);
+  CHECK(std::isnan(n.max));
+  CHECK(std::isnan(n.mean));
+  CHECK(n.p99 == 100.0);  // rank ceil(0.99 · 101) = 100 of 1..100 then NaN
+  CHECK(n.count == 101);
 }
 
 TEST_CASE("kl_divergence matches its sum, is zero for equal inputs and infinite for a dropped token",
@@ -113,4 +122,12 @@ TEST_CASE("logit metrics: log_softmax, KL, argmax, first divergence, LogitCompar
   CHECK(cmp.positions() == 2);
   CHECK(cmp.top1_agreement() == 0.5);
   CHECK(cmp.mean_kl() == Approx(kl / 2));
+  // Logits of different vocabularies are refused before any total changes (the reference's
+  // log-probability was read past its end, and the losses kept a term without its position).
+  const std::vector<float> longer{1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
+  CHECK_THROWS_AS(cmp.add(a, longer, 4), kvpack::Error);
+  CHECK_THROWS_AS(cmp.add(longer, a, 1), kvpack::Error);
+  CHECK(cmp.positions() == 2);
+  CHECK(cmp.loss() == Approx(-(lb[2] + lp[0]) / 2));
+  CHECK(cmp.reference_loss() == Approx(-(lp[2] + lp[0]) / 2));
 }

@@ -234,3 +234,9 @@ TEST_CASE("a needle inside a pinned span is retrieved at every depth by every ev
     CHECK(pinned[p].compact(2048, true) == "###");
   }
 }
+
+TEST_CASE("a needle that did not run has no recall, not a recall of 0", "[eval][needle]") {
+  const NeedleReport none;
+  CHECK(std::isnan(none.recall()));
+  CHECK(std::isnan(none.retrieval()));
+}

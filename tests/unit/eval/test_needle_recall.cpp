@@ -42,6 +42,10 @@ TEST_CASE("evict-to-tier with bound-driven recall recalls the needle at every de
                             << (run == &back ? " (write-back)" : " (write-through)"));
       CHECK(without[p].compact(2048) != "###########");  // the failure recall is for
       CHECK(with[p].compact(2048) == "###########");
+      // Recall acts on the detector, so the report does not score it (it counted every head as
+      // recalled until 2026-12-07, a detector that ran with no false alarm).
+      CHECK_FALSE(with[p].detector().ran());
+      CHECK(without[p].detector().ran());
       for (std::size_t c = 0; c < with[p].cells.size(); ++c) {
         const NeedleCell& cell = with[p].cells[c];
         INFO("depth " << cell.depth);

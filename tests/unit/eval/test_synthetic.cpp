@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kvpack/eval/attention_error.hpp"
 #include "kvpack/eval/exact_attention.hpp"
 #include "kvpack/eval/synthetic.hpp"
 
@@ -128,4 +129,21 @@ TEST_CASE("background query scores have std ~1 against each KV head's own keys",
   LayerKV other_heads = kv;
   other_heads.kv_heads = 1;
   CHECK_THROWS_AS(make_decode_queries(spec, other_heads, 1, 3), Error);
+
+  // A zero key (a dump's padding) where a sink or a content match falls scores 0 against any
+  // query and is not raised: raising it divided by its zero norm and made every query NaN.
+  SyntheticSpec with_peaks = small_spec();
+  LayerKV padded = make_layer(with_peaks);
+  padded.recency_means.clear();
+  for (index_t head = 0; head < padded.kv_heads; ++head) {
+    for (index_t t = 0; t < padded.tokens; t += 2) std::fill_n(padded.key(t, head), padded.head_dim, 0.0f);
+  }
+  const auto finite = make_decode_queries(with_peaks, padded, 4, 5);
+  CHECK(std::all_of(finite.begin(), finite.end(), [](float x) { return std::isfinite(x); }));
+  // A trailing part of a query row is refused, not dropped.
+  CHECK(exact_outputs(padded, finite, with_peaks.q_heads).size() == 4);
+  CHECK_THROWS_AS(exact_outputs(padded, std::span(finite).first(finite.size() - 1), with_peaks.q_heads), Error);
+  SyntheticSpec negative = small_spec();
+  negative.sink_tokens = -1;
+  CHECK_THROWS_AS(make_layer(negative), Error);
 }
