@@ -29,7 +29,7 @@
 /// (fixed page sizes), and the per-token V statistics are per KV head (d elements) rather than per
 /// token of the whole k_proj output (n_kv·d), because pages are per KV head (DESIGN.md §2); at
 /// d = 128 that costs 0.25 bits per V element more than the paper's accounting. Q-Norm (§2.5) is
-/// not applied. The sink token is kept exact by the cache (CacheConfig::exact_prefix_tokens), not
+/// a calibration option (KVQuantCalibrator::Options::q_norm, off by default). The sink token is kept exact by the cache (CacheConfig::exact_prefix_tokens), not
 /// by the codec.
 
 #include <algorithm>
@@ -139,7 +139,7 @@ class FurthestCandidates {
   explicit FurthestCandidates(std::size_t capacity) noexcept : capacity_(std::min(capacity, kMaxOutliers)) {}
   void offer(Candidate c) noexcept {
     if (capacity_ == 0) return;
-    if (!(c.excess >= 0.0f)) c.excess = INFINITY;  // NaN (unchecked input): keep it exactly
+    if (!(c.excess >= 0.0f)) c.excess = INFINITY;  // a NaN value (unchecked input): keep it exactly
     if (size_ < capacity_) {
       heap_[size_++] = c;
       std::push_heap(heap_, heap_ + size_, closer);
@@ -300,9 +300,14 @@ struct KVQuantTraits {
   static void validate_geometry(PageGeometry g, double outlier_fraction) {
     KVPACK_CHECK(outlier_fraction >= 0.0 && outlier_fraction <= 0.05, kInvalidConfig,
                  ::kvpack::detail::message("KVQuant outlier_fraction must be in [0, 0.05], got ", outlier_fraction));
-    KVPACK_CHECK(g.head_dim % 8 == 0 && static_cast<std::int64_t>(g.page_size) * g.head_dim <= 65536, kUnsupported,
+    // Keys pack 8 tokens' codes per Bits bytes; a page of at least 16 tokens keeps head_dim ≤
+    // 4096, the value encoder's per-token scratch.
+    KVPACK_CHECK(g.head_dim % 8 == 0 && g.page_size >= 16 && g.page_size % 8 == 0 &&
+                     static_cast<std::int64_t>(g.page_size) * g.head_dim <= 65536,
+                 kUnsupported,
                  ::kvpack::detail::message("KVQuant packs 8 codes per ", Bits, " bytes and indexes outliers in 16 bits: "
-                                           "head_dim ", g.head_dim, " must be a multiple of 8 and page_size · head_dim "
+                                           "head_dim ", g.head_dim, " must be a multiple of 8, page_size ",
+                                           g.page_size, " a multiple of 8 and at least 16, and page_size · head_dim "
                                            "at most 65536"));
   }
 
@@ -353,6 +358,7 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
     for (index_t t = 0; t < g.page_size; ++t) {
       for (index_t c = 0; c < g.head_dim; ++c) {
         const float excess = std::fabs(src[t * row_stride + c] - p.offset[c]) / p.half_range[c] - 1.0f;
+        // A NaN key (unchecked input) is no candidate: it encodes as a code, as in other codecs.
         if (excess > 0.0f) kept.offer({static_cast<std::uint32_t>(t * g.head_dim + c), excess});
       }
     }

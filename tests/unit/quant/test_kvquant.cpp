@@ -295,6 +295,17 @@ TEST_CASE("KVQuant tables built by hand are checked before any codec indexes the
   CHECK(rejected([](quant::KVQuantTables& t) { t.key_codebook[0].size = 16; }));  // 3 bits: 8 levels
   CHECK(rejected([](quant::KVQuantTables& t) { std::swap(t.key_codebook[0].levels[0], t.key_codebook[0].levels[7]); }));
   CHECK(rejected([](quant::KVQuantTables& t) { t.value_codebook[0].levels[2] = INFINITY; }));
+
+  // Geometries the planes cannot hold, refused by the codecs themselves (a cache refuses pages
+  // that are not multiples of 16 first): 12 tokens do not pack 8 at a time, and a row of 8192
+  // channels would overrun the value encoder's scratch of 4096.
+  using Keys = quant::KVQuantKeyCodec<3>;
+  using Values = quant::KVQuantValueCodec<3>;
+  for (const quant::PageGeometry bad : {quant::PageGeometry{12, 128}, quant::PageGeometry{8, 8192}}) {
+    CHECK_THROWS_AS(Keys::validate_geometry(bad, 0.01), Error);
+    CHECK_THROWS_AS(Values::validate_geometry(bad, 0.01), Error);
+  }
+  CHECK_NOTHROW(Values::validate_geometry({16, 4096}, 0.01));
 }
 
 TEST_CASE("KVQuantCalibrator rejects options it cannot honour", "[quant][kvquant][errors]") {
