@@ -111,7 +111,8 @@ inline std::vector<int> generate(const Transformer& model, KvStore& kv, std::spa
                                  const Sampling& sampling = {}) {
   KVPACK_CHECK(!prompt.empty(), kInvalidArgument, "generate: the prompt needs at least one token (BOS)");
   const auto context = static_cast<std::size_t>(model.config().seq_len);
-  KVPACK_CHECK(steps >= 0 && prompt.size() + static_cast<std::size_t>(steps) <= context, kInvalidArgument,
+  // The last generated token is never fed: prompt.size() + steps − 1 positions are used.
+  KVPACK_CHECK(steps >= 0 && prompt.size() - 1 + static_cast<std::size_t>(steps) <= context, kInvalidArgument,
                fmt::format("generate: {} prompt tokens + {} steps exceed the model's context of {} tokens",
                            prompt.size(), steps, context));
   std::vector<int> tokens(prompt.begin(), prompt.end());

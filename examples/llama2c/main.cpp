@@ -80,7 +80,7 @@ Options parse(int argc, char** argv) {
     } else if (args.is("--report")) {
       options.report = true;
     } else if (args.is("--model-dir")) {
-      options.model_dir = args.value();
+      options.model_dir = given_model_dir(args.value());  // named, it must hold the model
     } else if (args.is("--policy")) {
       options.policy = std::string(args.value());
     } else if (args.is("--steps")) {
@@ -132,6 +132,11 @@ void run_generation(const Transformer& model, const Tokenizer& tokenizer, const 
   }
 }
 
+// Evictors keep this many tokens per KV stream in the report, as compare_policies' real-model
+// columns do by default: the built-in 512 hold every sequence stories260K's context allows, so
+// at that budget the evictor rows were f16's.
+constexpr kvpack::index_t kReportEvictionBudget = 64;
+
 std::string format_divergence(const std::optional<std::size_t>& position) {
   return position ? fmt::format("{}", *position) : std::string("none");
 }
@@ -146,19 +151,21 @@ void print_report(const Benchmark& benchmark, const BenchmarkOptions& options, c
              name_introduction("NAME"), options.continuation_tokens, kNameCue);
   fmt::print(
       "page size {}; loss in nats/token; KL(f32 || policy) in nats, mean over positions; first div. = "
-      "first position whose top-1 token differs\n\n",
-      benchmark.cache.page_size);
-  fmt::print("{:<10} {:>9} {:>7} {:>7} {:>9} {:>9} {:>7} {:>10} {:>11} {:>8} {:>9}\n", "policy", "bits/elem", "nominal",
-             "loss", "Δloss", "KL", "top-1", "first div.", "name log p", "Δname", "name top1");
+      "first position whose top-1 token differs; kept = tokens an evictor still holds at the end of the text "
+      "({} per KV stream)\n\n",
+      benchmark.cache.page_size, kReportEvictionBudget);
+  fmt::print("{:<10} {:>9} {:>7} {:>7} {:>9} {:>9} {:>7} {:>10} {:>11} {:>8} {:>9} {:>6}\n", "policy", "bits/elem",
+             "nominal", "loss", "Δloss", "KL", "top-1", "first div.", "name log p", "Δname", "name top1", "kept");
   for (const PolicyResult& r : rows) {
     if (!r.not_applicable.empty()) {
       fmt::print("{:<10} not applicable: {}\n", r.policy, r.not_applicable);
       continue;
     }
-    fmt::print("{:<10} {:>9.3f} {:>7.3f} {:>7.4f} {:>+9.5f} {:>9.2e} {:>6.1f}% {:>10} {:>11.4f} {:>+8.4f} {:>5}/{}\n",
+    fmt::print("{:<10} {:>9.3f} {:>7.3f} {:>7.4f} {:>+9.5f} {:>9.2e} {:>6.1f}% {:>10} {:>11.4f} {:>+8.4f} {:>5}/{} "
+               "{:>5.1f}%\n",
                r.policy, r.bits_per_element, r.nominal_bits, r.text.loss, r.loss_delta, r.text.kl,
                100.0 * r.text.top1_agreement, format_divergence(r.text.first_divergence), r.name_log_prob,
-               r.name_log_prob_delta, r.name_top1, r.name_tokens);
+               r.name_log_prob_delta, r.name_top1, r.name_tokens, 100.0 * r.kept_fraction);
   }
 }
 
@@ -196,10 +203,10 @@ void write_json(const std::string& path, const Benchmark& benchmark, const Bench
         "    {{\"policy\": \"{}\", \"bits_per_element\": {:.4f}, \"nominal_bits_per_element\": {:.4f}, "
         "\"loss\": {:.6f}, \"loss_delta\": {:.6g}, \"kl\": {:.6g}, \"top1_agreement\": {:.6f}, "
         "\"first_divergence\": {}, \"name_log_prob\": {:.6f}, \"name_log_prob_delta\": {:.6g}, "
-        "\"name_top1\": {}, \"name_tokens\": {}}}{}\n",
+        "\"name_top1\": {}, \"name_tokens\": {}, \"kept_fraction\": {:.4f}}}{}\n",
         json_escape(r.policy), r.bits_per_element, r.nominal_bits, r.text.loss, r.loss_delta, r.text.kl,
         r.text.top1_agreement, r.text.first_divergence ? fmt::format("{}", *r.text.first_divergence) : "null",
-        r.name_log_prob, r.name_log_prob_delta, r.name_top1, r.name_tokens, separator);
+        r.name_log_prob, r.name_log_prob_delta, r.name_top1, r.name_tokens, r.kept_fraction, separator);
   }
   file.print("  ]\n}}\n");
 }
@@ -213,6 +220,9 @@ void run_report(const Transformer& model, const Tokenizer& tokenizer, const Opti
     policies.push_back(kvpack::eval::find_policy(*options.policy));
   } else {
     policies = kvpack::eval::builtin_policies();
+  }
+  for (kvpack::eval::Policy& policy : policies) {
+    if (policy.with_budget) policy = policy.with_budget(kReportEvictionBudget);
   }
   const Benchmark benchmark = prepare_benchmark(model, tokenizer, benchmark_options);
   std::vector<PolicyResult> rows;
