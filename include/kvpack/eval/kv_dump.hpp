@@ -18,11 +18,13 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "kvpack/error.hpp"
@@ -124,16 +126,32 @@ class KVDumpReader {
 };
 
 /// Writes a dump layer by layer: construct with the header, then `write_layer` exactly
-/// `layers` times in order. The file is complete only after the last layer.
+/// `layers` times in order. The layers go to `path` + ".partial", renamed to `path` with the
+/// last one: a producer that stops early leaves no dump (the partial file is removed) and never
+/// truncates a good one already at `path`.
 class KVDumpWriter {
  public:
   KVDumpWriter(std::string path, KVDumpHeader header)
-      : path_(std::move(path)), header_(header), file_(path_, std::ios::binary | std::ios::trunc) {
-    KVPACK_CHECK(file_.good(), kInvalidArgument, detail::message("kv dump '", path_, "' cannot be created"));
+      : path_(std::move(path)), partial_(path_ + ".partial"), header_(header) {
+    KVPACK_CHECK(header_.layers > 0 && header_.layer_floats() > 0 &&
+                     header_.file_bytes() != KVDumpHeader::kTooLarge,
+                 kInvalidArgument,
+                 detail::message("kv dump '", path_, "': layers, tokens, kv_heads and head_dim must be positive and ",
+                                 "the file's size must fit in 64 bits"));
+    file_.open(partial_, std::ios::binary | std::ios::trunc);
+    KVPACK_CHECK(file_.good(), kInvalidArgument, detail::message("kv dump '", partial_, "' cannot be created"));
     const std::uint32_t fields[5]{KVDumpHeader::kVersion, header_.layers, header_.tokens, header_.kv_heads,
                                   header_.head_dim};
     file_.write(KVDumpHeader::kMagic.data(), KVDumpHeader::kMagic.size());
     file_.write(reinterpret_cast<const char*>(fields), sizeof(fields));
+  }
+  KVDumpWriter(const KVDumpWriter&) = delete;
+  KVDumpWriter& operator=(const KVDumpWriter&) = delete;
+  ~KVDumpWriter() {
+    if (written_ == header_.layers) return;
+    file_.close();
+    std::error_code ignored;
+    std::filesystem::remove(partial_, ignored);
   }
 
   void write_layer(std::span<const float> keys, std::span<const float> values) {
@@ -145,12 +163,20 @@ class KVDumpWriter {
     file_.write(reinterpret_cast<const char*>(keys.data()), static_cast<std::streamsize>(keys.size_bytes()));
     file_.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size_bytes()));
     file_.flush();
-    KVPACK_CHECK(file_.good(), kInvalidArgument, detail::message("kv dump '", path_, "': write failed"));
+    KVPACK_CHECK(file_.good(), kInvalidArgument, detail::message("kv dump '", partial_, "': write failed"));
+    if (written_ + 1 == header_.layers) {
+      file_.close();
+      KVPACK_CHECK(!file_.fail(), kInvalidArgument, detail::message("kv dump '", partial_, "': closing failed"));
+      std::error_code error;
+      std::filesystem::rename(partial_, path_, error);
+      KVPACK_CHECK(!error, kInvalidArgument,
+                   detail::message("kv dump '", partial_, "' cannot be renamed to '", path_, "': ", error.message()));
+    }
     ++written_;
   }
 
  private:
-  std::string path_;
+  std::string path_, partial_;
   KVDumpHeader header_;
   std::ofstream file_;
   std::uint32_t written_ = 0;

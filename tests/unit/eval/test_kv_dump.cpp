@@ -46,6 +46,17 @@ TEST_CASE("a kv dump reads back exactly what was written, layer by layer", "[eva
   CHECK(layer2.kv_heads == 2);
   CHECK(*layer2.key(1, 1) == 200.0f + 0.5f * 12);  // token 1, head 1 starts at element 12
   CHECK_THROWS_WITH(reader.read_layer(3), Catch::Contains("out of range"));
+
+  // A producer that stops after one layer of three leaves the good dump at `path` as it was
+  // (it truncated it when the writer was built) and no partial file behind.
+  {
+    KVDumpWriter interrupted(path, header);
+    interrupted.write_layer(iota_floats(40, 7.0f), iota_floats(40, 7.0f));
+  }
+  CHECK(std::filesystem::file_size(path) == 28 + 3 * 2 * 40 * 4);
+  CHECK(KVDumpReader(path).read_layer(2).keys == iota_floats(40, 200.0f));
+  CHECK_FALSE(std::filesystem::exists(path + ".partial"));
+  CHECK_THROWS_WITH(KVDumpWriter(path, KVDumpHeader{0, 5, 2, 4}), Catch::Contains("must be positive"));
   std::filesystem::remove(path);
 }
 
