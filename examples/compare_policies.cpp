@@ -26,19 +26,18 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <system_error>
 #include <vector>
 
 #include "common/cli.hpp"
 #include "common/pareto_plot.hpp"
 #include "common/progress_bar.hpp"
 #include "kvpack/eval.hpp"
+#include "kvpack/io/replacing_file.hpp"
 #include "llama2c/checkpoint.hpp"
 #include "llama2c/evaluate.hpp"
 #include "llama2c/model_files.hpp"
@@ -453,25 +452,23 @@ std::string prefilled_json(const std::optional<llama2c::PrefilledResult>& m) {
                      m->kept_fraction, m->decode_loss, m->name_question_after, m->name_question_in_window);
 }
 
-/// Writes `path` whole or not at all: `print` fills a temporary file beside it, which is closed
-/// (a full disk reported there, not lost in a destructor) and renamed over `path`, so a failed
-/// write never leaves a truncated file that reads like a result.
-void write_whole_file(const std::string& path, const std::function<void(fmt::ostream&)>& print) {
-  const std::string temporary = path + ".tmp";
-  try {
-    auto file = fmt::output_file(temporary);
-    print(file);
-    file.close();
-    std::filesystem::rename(temporary, path);
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(temporary, ignored);
-    throw;
-  }
+/// Appends to `out`; the format is checked at compile time, as fmt::print's.
+template <class... T>
+void append(std::string& out, fmt::format_string<T...> format, T&&... args) {
+  fmt::format_to(std::back_inserter(out), format, std::forward<T>(args)...);
 }
 
-void write_json(fmt::ostream& file, const Options& o, const eval::SyntheticSpec& spec, const std::vector<Row>& rows,
-                const std::optional<llama2c::PrefilledResult>& prefilled_reference) {
+/// Writes `text` to `path` whole or not at all (io::ReplacingFile: a temporary beside it, renamed
+/// onto it), so a failed write never leaves a truncated file that reads like a result.
+void write_whole_file(const std::string& path, const std::string& text) {
+  io::ReplacingFile file(path, ErrorCode::kInvalidArgument, "compare_policies: ");
+  file.write(std::as_bytes(std::span(text)));
+  file.commit();
+}
+
+std::string json_text(const Options& o, const eval::SyntheticSpec& spec, const std::vector<Row>& rows,
+                      const std::optional<llama2c::PrefilledResult>& prefilled_reference) {
+  std::string file;
   // A dump's keys and values are its own: the generator's outliers and RoPE base describe only
   // synthetic ones, and a dump's calibration overlaps the data evaluated.
   const std::string workload =
@@ -481,9 +478,9 @@ void write_json(fmt::ostream& file, const Options& o, const eval::SyntheticSpec&
           : fmt::format("\"kind\": \"kv_dump\", \"file\": {}, \"layer\": {}, \"group\": {}, \"rope_theta\": {}, "
                         "\"calibration_overlaps_data\": true",
                         json_string(o.kv_dump), o.dump_layer, o.dump_group, o.dump_rope_theta);
-  file.print("{{\n  \"workload\": {{{}, \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, \"head_dim\": {}, "
-             "\"seed\": {}}},\n  \"isa\": \"{}\",\n  \"rows\": [\n",
-             workload, spec.tokens, spec.q_heads, spec.kv_heads, spec.head_dim, spec.seed, dispatch::active_cpu_isa());
+  append(file, "{{\n  \"workload\": {{{}, \"tokens\": {}, \"q_heads\": {}, \"kv_heads\": {}, \"head_dim\": {}, "
+               "\"seed\": {}}},\n  \"isa\": \"{}\",\n  \"rows\": [\n",
+               workload, spec.tokens, spec.q_heads, spec.kv_heads, spec.head_dim, spec.seed, dispatch::active_cpu_isa());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const auto cells = [](const eval::NeedleReport& report) {
@@ -532,48 +529,51 @@ void write_json(fmt::ostream& file, const Options& o, const eval::SyntheticSpec&
                           r.model_budget_tokens > 0 ? fmt::format("{}", r.model_budget_tokens) : "null", m.kept_fraction,
                           prefilled_json(r.model_prefilled));
     }
-    file.print("    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
-               "\"bits_per_stored_element\": {:.4f}, \"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
-               "\"key_reconstruction_rel_error\": {}, \"value_reconstruction_rel_error\": {}, "
-               "\"attention_rel_error_mean\": {}, \"attention_rel_error_p99\": {}, "
-               "\"needle_recall\": {}, \"needle_retrieved\": {}, \"needle\": [{}], \"needle_detector\": {}, "
-               "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"needle_pinned\": {}, \"needle_recall_from_tier\": {}, "
-               "\"needle_recall_by_demotion\": {}, \"real_model\": {}, "
-               "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
-               json_string(r.policy), json_string(r.description),
-               r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element,
-               r.bits_per_stored_element, r.payload_bits,
-               r.sequence_bytes, finite_or(r.reconstruction.keys, "{:.6g}"), finite_or(r.reconstruction.values, "{:.6g}"),
-               finite_or(r.error.mean, "{:.6g}"), finite_or(r.error.p99, "{:.6g}"),
-               finite_or(r.needle.recall(), "{:.4f}"), finite_or(r.needle.retrieval(), "{:.4f}"), needle, detector,
-               r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, demoted, model,
-               r.decode_gbps, r.seconds_per_attend, r.vs_f16,
-               i + 1 < rows.size() ? "," : "");
+    append(file, "    {{\"policy\": {}, \"description\": {}, \"not_applicable\": {}, \"bits_per_element\": {:.4f}, "
+                 "\"bits_per_stored_element\": {:.4f}, \"payload_bits_per_element\": {:.4f}, \"bytes_per_sequence_32_layers\": {:.0f}, "
+                 "\"key_reconstruction_rel_error\": {}, \"value_reconstruction_rel_error\": {}, "
+                 "\"attention_rel_error_mean\": {}, \"attention_rel_error_p99\": {}, "
+                 "\"needle_recall\": {}, \"needle_retrieved\": {}, \"needle\": [{}], \"needle_detector\": {}, "
+                 "\"budget_tokens\": {}, \"kept_fraction\": {:.4f}, \"needle_pinned\": {}, \"needle_recall_from_tier\": {}, "
+                 "\"needle_recall_by_demotion\": {}, \"real_model\": {}, "
+                 "\"decode_GBps\": {:.3f}, \"seconds_per_attend\": {:.6g}, \"speed_vs_f16\": {:.4f}}}{}\n",
+                 json_string(r.policy), json_string(r.description),
+                 r.not_applicable.empty() ? "null" : json_string(r.not_applicable), r.bits_per_element,
+                 r.bits_per_stored_element, r.payload_bits,
+                 r.sequence_bytes, finite_or(r.reconstruction.keys, "{:.6g}"), finite_or(r.reconstruction.values, "{:.6g}"),
+                 finite_or(r.error.mean, "{:.6g}"), finite_or(r.error.p99, "{:.6g}"),
+                 finite_or(r.needle.recall(), "{:.4f}"), finite_or(r.needle.retrieval(), "{:.4f}"), needle, detector,
+                 r.budget_tokens > 0 ? fmt::format("{}", r.budget_tokens) : "null", r.kept, pinned, recall, demoted, model,
+                 r.decode_gbps, r.seconds_per_attend, r.vs_f16,
+                 i + 1 < rows.size() ? "," : "");
   }
-  file.print("  ],\n  \"needle_contexts\": [{}],\n  \"observation_window\": {},\n  \"needle_pinned_span\": {},\n"
-             "  \"needle_detector_epsilon\": {:.6f},\n  \"model_eviction_budget_tokens\": {},\n"
-             "  \"model_prefilled_reference\": {}\n}}\n",
-             fmt::join(o.needle_contexts, ", "), kObservationWindow, o.pinned ? fmt::format("{}", kPinnedSpan) : "null",
-             eval::NeedleSpec{}.detector_epsilon(), o.model_budget, prefilled_json(prefilled_reference));
+  append(file, "  ],\n  \"needle_contexts\": [{}],\n  \"observation_window\": {},\n  \"needle_pinned_span\": {},\n"
+               "  \"needle_detector_epsilon\": {:.6f},\n  \"model_eviction_budget_tokens\": {},\n"
+               "  \"model_prefilled_reference\": {}\n}}\n",
+               fmt::join(o.needle_contexts, ", "), kObservationWindow, o.pinned ? fmt::format("{}", kPinnedSpan) : "null",
+               eval::NeedleSpec{}.detector_epsilon(), o.model_budget, prefilled_json(prefilled_reference));
+  return file;
 }
 
-void write_csv(fmt::ostream& file, const std::vector<Row>& rows) {
-  file.print("policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,"
-             "key_reconstruction_rel_error,value_reconstruction_rel_error,attention_rel_error_mean,"
-             "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16,"
-             "budget_tokens,kept_fraction,needle_retrieved,bits_per_stored_element\n");
+std::string csv_text(const std::vector<Row>& rows) {
+  std::string file;
+  append(file, "policy,bits_per_element,payload_bits_per_element,bytes_per_sequence_32_layers,"
+               "key_reconstruction_rel_error,value_reconstruction_rel_error,attention_rel_error_mean,"
+               "attention_rel_error_p99,needle_recall,real_model_loss_delta,real_model_logit_kl,decode_GBps,speed_vs_f16,"
+               "budget_tokens,kept_fraction,needle_retrieved,bits_per_stored_element\n");
   for (const Row& r : rows) {
     if (!r.not_applicable.empty()) continue;  // the table and the JSON say why
     // Errors that could not be measured and a needle that did not run are empty fields.
-    file.print("{},{:.4f},{:.4f},{:.0f},{},{},{},{},{},{},{},{:.3f},{:.4f},{},{:.4f},{},{:.4f}\n", r.policy,
-               r.bits_per_element, r.payload_bits, r.sequence_bytes, finite_or(r.reconstruction.keys, "{:.6g}", ""),
-               finite_or(r.reconstruction.values, "{:.6g}", ""), finite_or(r.error.mean, "{:.6g}", ""),
-               finite_or(r.error.p99, "{:.6g}", ""), finite_or(r.needle.recall(), "{:.4f}", ""),
-               model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
-               model_cell(r, [](const llama2c::PolicyResult& m) { return m.text.kl; }, "{:.6g}"),
-               r.decode_gbps, r.vs_f16, r.budget_tokens, r.kept, finite_or(r.needle.retrieval(), "{:.4f}", ""),
-               r.bits_per_stored_element);
+    append(file, "{},{:.4f},{:.4f},{:.0f},{},{},{},{},{},{},{},{:.3f},{:.4f},{},{:.4f},{},{:.4f}\n", r.policy,
+                 r.bits_per_element, r.payload_bits, r.sequence_bytes, finite_or(r.reconstruction.keys, "{:.6g}", ""),
+                 finite_or(r.reconstruction.values, "{:.6g}", ""), finite_or(r.error.mean, "{:.6g}", ""),
+                 finite_or(r.error.p99, "{:.6g}", ""), finite_or(r.needle.recall(), "{:.4f}", ""),
+                 model_cell(r, [](const llama2c::PolicyResult& m) { return m.loss_delta; }, "{:.6f}"),
+                 model_cell(r, [](const llama2c::PolicyResult& m) { return m.text.kl; }, "{:.6g}"),
+                 r.decode_gbps, r.vs_f16, r.budget_tokens, r.kept, finite_or(r.needle.retrieval(), "{:.4f}", ""),
+                 r.bits_per_stored_element);
   }
+  return file;
 }
 
 /// Refuses, before any work, a --budget some selected evictor cannot keep (SnapKV's window,
@@ -842,11 +842,11 @@ int run(const Options& o) {
   print_detector(o, rows);
 
   if (!o.json_path.empty()) {
-    write_whole_file(o.json_path, [&](fmt::ostream& file) { write_json(file, o, spec, rows, prefilled_reference); });
+    write_whole_file(o.json_path, json_text(o, spec, rows, prefilled_reference));
     fmt::print("rows written to {}\n", o.json_path);
   }
   if (!o.csv_path.empty()) {
-    write_whole_file(o.csv_path, [&](fmt::ostream& file) { write_csv(file, rows); });
+    write_whole_file(o.csv_path, csv_text(rows));
     fmt::print("rows written to {}\n", o.csv_path);
   }
   end_phase("tables");

@@ -18,17 +18,16 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "kvpack/error.hpp"
 #include "kvpack/eval/synthetic.hpp"
+#include "kvpack/io/replacing_file.hpp"
 
 namespace kvpack::inline v0::eval {
 
@@ -126,32 +125,18 @@ class KVDumpReader {
 };
 
 /// Writes a dump layer by layer: construct with the header, then `write_layer` exactly
-/// `layers` times in order. The layers go to `path` + ".partial", renamed to `path` with the
-/// last one: a producer that stops early leaves no dump (the partial file is removed) and never
-/// truncates a good one already at `path`.
+/// `layers` times in order. The file is written under a temporary name beside `path` and renamed
+/// onto it with the last layer (io::ReplacingFile): a producer that stops early leaves no dump
+/// and never truncates a good one already at `path`.
 class KVDumpWriter {
  public:
   KVDumpWriter(std::string path, KVDumpHeader header)
-      : path_(std::move(path)), partial_(path_ + ".partial"), header_(header) {
-    KVPACK_CHECK(header_.layers > 0 && header_.layer_floats() > 0 &&
-                     header_.file_bytes() != KVDumpHeader::kTooLarge,
-                 kInvalidArgument,
-                 detail::message("kv dump '", path_, "': layers, tokens, kv_heads and head_dim must be positive and ",
-                                 "the file's size must fit in 64 bits"));
-    file_.open(partial_, std::ios::binary | std::ios::trunc);
-    KVPACK_CHECK(file_.good(), kInvalidArgument, detail::message("kv dump '", partial_, "' cannot be created"));
+      : path_(std::move(path)), header_(checked(header, path_)),
+        file_(path_, ErrorCode::kInvalidArgument, "kv dump '" + path_ + "': ") {
     const std::uint32_t fields[5]{KVDumpHeader::kVersion, header_.layers, header_.tokens, header_.kv_heads,
                                   header_.head_dim};
-    file_.write(KVDumpHeader::kMagic.data(), KVDumpHeader::kMagic.size());
-    file_.write(reinterpret_cast<const char*>(fields), sizeof(fields));
-  }
-  KVDumpWriter(const KVDumpWriter&) = delete;
-  KVDumpWriter& operator=(const KVDumpWriter&) = delete;
-  ~KVDumpWriter() {
-    if (written_ == header_.layers) return;
-    file_.close();
-    std::error_code ignored;
-    std::filesystem::remove(partial_, ignored);
+    file_.write(std::as_bytes(std::span(KVDumpHeader::kMagic)));
+    file_.write(std::as_bytes(std::span(fields)));
   }
 
   void write_layer(std::span<const float> keys, std::span<const float> values) {
@@ -160,25 +145,24 @@ class KVDumpWriter {
     KVPACK_CHECK(keys.size() == header_.layer_floats() && values.size() == header_.layer_floats(), kInvalidArgument,
                  detail::message("kv dump '", path_, "': a layer needs ", header_.layer_floats(),
                                  " keys and values, got ", keys.size(), " and ", values.size()));
-    file_.write(reinterpret_cast<const char*>(keys.data()), static_cast<std::streamsize>(keys.size_bytes()));
-    file_.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size_bytes()));
-    file_.flush();
-    KVPACK_CHECK(file_.good(), kInvalidArgument, detail::message("kv dump '", partial_, "': write failed"));
-    if (written_ + 1 == header_.layers) {
-      file_.close();
-      KVPACK_CHECK(!file_.fail(), kInvalidArgument, detail::message("kv dump '", partial_, "': closing failed"));
-      std::error_code error;
-      std::filesystem::rename(partial_, path_, error);
-      KVPACK_CHECK(!error, kInvalidArgument,
-                   detail::message("kv dump '", partial_, "' cannot be renamed to '", path_, "': ", error.message()));
-    }
+    file_.write(std::as_bytes(keys));
+    file_.write(std::as_bytes(values));
+    if (written_ + 1 == header_.layers) file_.commit();
     ++written_;
   }
 
  private:
-  std::string path_, partial_;
+  static KVDumpHeader checked(KVDumpHeader header, const std::string& path) {
+    KVPACK_CHECK(header.layers > 0 && header.layer_floats() > 0 && header.file_bytes() != KVDumpHeader::kTooLarge,
+                 kInvalidArgument,
+                 detail::message("kv dump '", path, "': layers, tokens, kv_heads and head_dim must be positive and ",
+                                 "the file's size must fit in 64 bits"));
+    return header;
+  }
+
+  std::string path_;
   KVDumpHeader header_;
-  std::ofstream file_;
+  io::ReplacingFile file_;
   std::uint32_t written_ = 0;
 };
 
