@@ -223,6 +223,7 @@ Policy make_kvquant_policy() {
     std::mutex mutex;
     std::shared_ptr<const std::vector<LayerKV>> calibration;
     ModelShape shape;
+    index_t page_size = 0;
     std::shared_ptr<const quant::KVQuantTables> tables;
   };
   auto memo = std::make_shared<Memo>();
@@ -237,8 +238,11 @@ Policy make_kvquant_policy() {
                                ::kvpack::detail::message(name, ": calibration has ", inputs.calibration->size(),
                                                          " layers, the model ", shape.layers));
                   std::lock_guard lock(memo->mutex);
-                  if (memo->calibration != inputs.calibration || !(memo->shape == shape)) {
-                    quant::KVQuantCalibrator calibrator(shape, {Bits, 0.01, true, 50, 1});
+                  if (memo->calibration != inputs.calibration || !(memo->shape == shape) ||
+                      memo->page_size != config.page_size) {
+                    quant::KVQuantCalibrator::Options options{Bits, 0.01, true, 50, 1};
+                    options.page_size = config.page_size;
+                    quant::KVQuantCalibrator calibrator(shape, options);
                     const auto rope = RopeTables::shared(*inputs.model_rope, shape.head_dim);
                     for (index_t layer = 0; layer < shape.layers; ++layer) {
                       LayerKV kv = (*inputs.calibration)[layer];
@@ -252,6 +256,7 @@ Policy make_kvquant_policy() {
                     memo->tables = calibrator.finish();
                     memo->calibration = inputs.calibration;
                     memo->shape = shape;
+                    memo->page_size = config.page_size;
                   }
                   config.key_rope = inputs.model_rope;
                   config.exact_prefix_tokens = std::max<index_t>(config.exact_prefix_tokens, 1);

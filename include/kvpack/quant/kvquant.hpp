@@ -40,6 +40,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvpack/config.hpp"
@@ -205,6 +206,78 @@ struct OutlierSection {
 /// ⌈f/2 · d⌉: the largest and the smallest elements of each token that are value candidates.
 [[nodiscard]] inline index_t candidates_per_side(double fraction, index_t head_dim) noexcept {
   return fraction > 0.0 ? static_cast<index_t>(std::ceil(fraction / 2.0 * head_dim - 1e-9)) : 0;
+}
+
+/// The value codec's outlier choice for `tokens` rows of `d` ≤ 4096 elements: each row's `side`
+/// smallest and `side` largest elements are offered to `kept`, ranked by how far they stretch the
+/// range of the row's other elements, in half-ranges. KVQuantCalibrator makes the same choice, so
+/// that the value codebook is fitted to the ranges pages store.
+inline void offer_value_candidates(const float* src, std::ptrdiff_t row_stride, index_t tokens, index_t d,
+                                   index_t side, FurthestCandidates& kept) noexcept {
+  // side ≤ ⌈0.025 · head_dim⌉ < head_dim / 2.
+  std::uint16_t lowest[4096], highest[4096];
+  bool candidate[4096];
+  for (index_t t = 0; t < tokens && side > 0; ++t) {
+    const float* x = src + t * row_stride;
+    // A total order even for unchecked NaN input (NaN sorts as +inf), as the heaps need.
+    auto key = [&](std::uint16_t i) { return x[i] != x[i] ? INFINITY : x[i]; };
+    auto below = [&](std::uint16_t a, std::uint16_t b) { return key(a) != key(b) ? key(a) < key(b) : a < b; };
+    auto above = [&](std::uint16_t a, std::uint16_t b) { return below(b, a); };
+    // The `side` smallest and the `side` largest in one pass, each in a heap whose top is its
+    // least extreme member. `side` is 1 at head_dim 128: two std::nth_element partitions of
+    // every token took a fifth of an append. Only the sets matter (`kept` orders its offers).
+    for (index_t c = 0; c < d; ++c) {
+      const auto i = static_cast<std::uint16_t>(c);
+      candidate[c] = false;
+      if (c < side) {
+        lowest[c] = highest[c] = i;
+        std::push_heap(lowest, lowest + c + 1, below);
+        std::push_heap(highest, highest + c + 1, above);
+        continue;
+      }
+      if (below(i, lowest[0])) {
+        std::pop_heap(lowest, lowest + side, below);
+        lowest[side - 1] = i;
+        std::push_heap(lowest, lowest + side, below);
+      }
+      if (above(i, highest[0])) {
+        std::pop_heap(highest, highest + side, above);
+        highest[side - 1] = i;
+        std::push_heap(highest, highest + side, above);
+      }
+    }
+    for (index_t i = 0; i < side; ++i) candidate[lowest[i]] = candidate[highest[i]] = true;
+    // How far each candidate stretches the range of the elements that are not candidates.
+    float lo_inner = INFINITY, hi_inner = -INFINITY;
+    for (index_t c = 0; c < d; ++c) {
+      if (candidate[c]) continue;
+      lo_inner = std::min(lo_inner, x[c]);
+      hi_inner = std::max(hi_inner, x[c]);
+    }
+    const float inner_half = std::max(0.5f * (hi_inner - lo_inner), 1e-30f);
+    for (index_t i = 0; i < side; ++i) {
+      kept.offer({static_cast<std::uint32_t>(t * d + lowest[i]), (lo_inner - x[lowest[i]]) / inner_half});
+      kept.offer({static_cast<std::uint32_t>(t * d + highest[i]), (x[highest[i]] - hi_inner) / inner_half});
+    }
+  }
+}
+
+/// Row t's smallest and largest elements that are not kept exactly: `exact` is sorted by index
+/// t·d + c and `next` is its first entry of row t or later (advanced past row t's). {0, 0} when
+/// every element of the row is exact.
+[[nodiscard]] inline std::pair<float, float> range_without_exact(const float* x, index_t t, index_t d,
+                                                                 std::span<const Candidate> exact,
+                                                                 std::size_t& next) noexcept {
+  float lo = INFINITY, hi = -INFINITY;
+  for (index_t c = 0; c < d; ++c) {
+    if (next < exact.size() && exact[next].index == static_cast<std::uint32_t>(t * d + c)) {
+      ++next;
+      continue;
+    }
+    lo = std::min(lo, x[c]);
+    hi = std::max(hi, x[c]);
+  }
+  return lo <= hi ? std::pair{lo, hi} : std::pair{0.0f, 0.0f};
 }
 
 }  // namespace kvquant_detail
@@ -432,70 +505,14 @@ struct KVQuantValueCodec : KVQuantTraits<Bits> {
     const index_t side = kvquant_detail::candidates_per_side(this->outlier_fraction, d);
     const kvquant_detail::OutlierSection section = this->outliers(g);
     kvquant_detail::FurthestCandidates kept(section.capacity);
-    // head_dim ≤ 65536 / page_size ≤ 4096 (validate); side ≤ ⌈0.025 · head_dim⌉ < head_dim / 2.
-    std::uint16_t lowest[4096], highest[4096];
-    bool candidate[4096];
-    for (index_t t = 0; t < g.page_size && side > 0; ++t) {
-      const float* x = src + t * row_stride;
-      // A total order even for unchecked NaN input (NaN sorts as +inf), as the heaps need.
-      auto key = [&](std::uint16_t i) { return x[i] != x[i] ? INFINITY : x[i]; };
-      auto below = [&](std::uint16_t a, std::uint16_t b) { return key(a) != key(b) ? key(a) < key(b) : a < b; };
-      auto above = [&](std::uint16_t a, std::uint16_t b) { return below(b, a); };
-      // The `side` smallest and the `side` largest in one pass, each in a heap whose top is its
-      // least extreme member. `side` is 1 at head_dim 128: two std::nth_element partitions of
-      // every token took a fifth of an append. Only the sets matter (`kept` orders its offers).
-      for (index_t c = 0; c < d; ++c) {
-        const auto i = static_cast<std::uint16_t>(c);
-        candidate[c] = false;
-        if (c < side) {
-          lowest[c] = highest[c] = i;
-          std::push_heap(lowest, lowest + c + 1, below);
-          std::push_heap(highest, highest + c + 1, above);
-          continue;
-        }
-        if (below(i, lowest[0])) {
-          std::pop_heap(lowest, lowest + side, below);
-          lowest[side - 1] = i;
-          std::push_heap(lowest, lowest + side, below);
-        }
-        if (above(i, highest[0])) {
-          std::pop_heap(highest, highest + side, above);
-          highest[side - 1] = i;
-          std::push_heap(highest, highest + side, above);
-        }
-      }
-      for (index_t i = 0; i < side; ++i) candidate[lowest[i]] = candidate[highest[i]] = true;
-      // How far each candidate stretches the range of the elements that are not candidates.
-      float lo_inner = INFINITY, hi_inner = -INFINITY;
-      for (index_t c = 0; c < d; ++c) {
-        if (candidate[c]) continue;
-        lo_inner = std::min(lo_inner, x[c]);
-        hi_inner = std::max(hi_inner, x[c]);
-      }
-      const float inner_half = std::max(0.5f * (hi_inner - lo_inner), 1e-30f);
-      for (index_t i = 0; i < side; ++i) {
-        kept.offer({static_cast<std::uint32_t>(t * d + lowest[i]), (lo_inner - x[lowest[i]]) / inner_half});
-        kept.offer({static_cast<std::uint32_t>(t * d + highest[i]), (x[highest[i]] - hi_inner) / inner_half});
-      }
-    }
+    kvquant_detail::offer_value_candidates(src, row_stride, g.page_size, d, side, kept);
     const std::span<const Candidate> exact = kept.sorted();
     section.write(dst + outliers_offset(g), exact, src, row_stride, d);
     const nuq::NearestLevel nearest(p.rounding());
     std::size_t next_exact = 0;  // exact is sorted by index = t·d + c
     for (index_t t = 0; t < g.page_size; ++t) {
       const float* x = src + t * row_stride;
-      float lo = INFINITY, hi = -INFINITY;
-      std::size_t e = next_exact;
-      for (index_t c = 0; c < d; ++c) {
-        if (e < exact.size() && exact[e].index == static_cast<std::uint32_t>(t * d + c)) {
-          ++e;
-          continue;
-        }
-        lo = std::min(lo, x[c]);
-        hi = std::max(hi, x[c]);
-      }
-      next_exact = e;
-      if (!(lo <= hi)) lo = hi = 0.0f;  // every element exact
+      const auto [lo, hi] = kvquant_detail::range_without_exact(x, t, d, exact, next_exact);
       // Stored in fp16; encode with the rounded numbers decode will use.
       const float offset = half(0.5f * (hi + lo));
       const float half_range = half(0.5f * (hi - lo));

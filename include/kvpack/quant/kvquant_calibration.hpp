@@ -8,10 +8,19 @@
 /// when CacheConfig::key_rope is set), layer by layer, then call finish(). Per (layer, KV head,
 /// channel) the key range is [q(f/2), q(1 − f/2)] of the samples (linear interpolation between
 /// order statistics, as torch.quantile), f the outlier fraction: with f = 1 % the 0.5th and
-/// 99.5th percentiles. Codebooks are the normal-float levels, or weighted k-means over the
-/// normalised samples that are not outliers (optional per-element weights, e.g. KVQuant's
-/// Fisher information; at most 2^18 of them, evenly strided). The first `skip_first_tokens` tokens of each sample sequence (the
+/// 99.5th percentiles. The first `skip_first_tokens` tokens of each sample sequence (the
 /// attention sink, kept exact by the cache) are left out, as KVQuant does.
+///
+/// Codebooks are the normal-float levels, or k-means over the samples normalised as the codecs
+/// normalise them: each sequence is cut into pages of `page_size` tokens per KV head, and a page
+/// keeps only the round(f · page_size · head_dim) outliers it has room for (the codecs' choice,
+/// kvquant_detail), so a value token's range may keep one of its extremes, and a key outside its
+/// channel's range that the page cannot keep is clamped to ±1; the elements a page keeps exactly
+/// need no level and are left out. The k-means objective is ALGORITHMS.md §2.2's, Σ F·r²·(x − ℓ)²
+/// over normalised elements x of half-range r (the squared error in the units decode gives),
+/// with the optional per-element weights F (e.g. KVQuant's Fisher information; 1 when not given);
+/// `range_weighted = false` drops r² as the reference implementation does. At most 2^18 samples,
+/// evenly strided, enter the k-means.
 ///
 /// Q-Norm (§2.5, an option: the paper uses it at 2 bits): after rounding, the decoded levels are
 /// moved by one affine map per layer and plane, ℓ' = ℓ·σ1/σ2 + m1 − m2·σ1/σ2, so that the mean m
@@ -21,10 +30,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <vector>
 
+#include "kvpack/core/half.hpp"
 #include "kvpack/core/types.hpp"
 #include "kvpack/error.hpp"
 #include "kvpack/quant/kvquant.hpp"
@@ -42,6 +54,10 @@ class KVQuantCalibrator {
     index_t skip_first_tokens = 1;
     /// Q-Norm: never, for 2 bits only (the paper's use), or always.
     enum class QNorm { kNever, kTwoBit, kAlways } q_norm = QNorm::kNever;
+    /// The cache's page size (CacheConfig::page_size), which sets how many outliers a page keeps.
+    index_t page_size = 32;
+    /// Weigh each normalised sample by its half-range squared (§2.2's objective), or not.
+    bool range_weighted = true;
   };
 
   KVQuantCalibrator(const ModelShape& shape, Options options) : shape_(shape), options_(options) {
@@ -51,17 +67,24 @@ class KVQuantCalibrator {
     KVPACK_CHECK(options.outlier_fraction >= 0.0 && options.outlier_fraction <= 0.05, kInvalidConfig,
                  ::kvpack::detail::message("KVQuantCalibrator: outlier_fraction must be in [0, 0.05], got ",
                                  options.outlier_fraction));
-    // The codec packs 8 codes per Bits bytes, and the outlier candidates need two channels a side.
-    KVPACK_CHECK(shape.head_dim % 8 == 0, kInvalidConfig,
-                 ::kvpack::detail::message("KVQuantCalibrator: head_dim must be a multiple of 8, got ", shape.head_dim));
+    // The codecs' own limits on the page the tables will be used with (head_dim a multiple of 8,
+    // page_size · head_dim ≤ 65536, ...): the page simulation below relies on them too.
+    const PageGeometry page{options.page_size, shape.head_dim};
+    switch (options.bits) {
+      case 2: KVQuantTraits<2>::validate_geometry(page, options.outlier_fraction); break;
+      case 3: KVQuantTraits<3>::validate_geometry(page, options.outlier_fraction); break;
+      default: KVQuantTraits<4>::validate_geometry(page, options.outlier_fraction); break;
+    }
     KVPACK_CHECK(options.skip_first_tokens >= 0 && (!options.kmeans || options.max_iterations > 0), kInvalidConfig,
                  ::kvpack::detail::message("KVQuantCalibrator: skip_first_tokens must be >= 0 (got ",
                                            options.skip_first_tokens, ") and max_iterations > 0 with kmeans (got ",
                                            options.max_iterations, ")"));
     keys_.resize(static_cast<std::size_t>(shape.layers));
-    values_.resize(keys_.size());
     key_weights_.resize(keys_.size());
-    value_weights_.resize(keys_.size());
+    sequence_tokens_.resize(keys_.size());
+    value_samples_.resize(keys_.size());
+    value_sample_weights_.resize(keys_.size());
+    value_weighted_.resize(keys_.size());
   }
 
   /// One sample sequence of one layer: keys and values [T][kv_heads][head_dim]; weights, when
@@ -82,18 +105,20 @@ class KVQuantCalibrator {
         KVPACK_CHECK(std::isfinite(x), kNonFinite, "KVQuantCalibrator::add: samples and weights must be finite");
       }
     }
-    const std::size_t skip = std::min(keys.size() / row, static_cast<std::size_t>(options_.skip_first_tokens)) * row;
-    auto append = [&](std::vector<float>& to, std::span<const float> from) {
-      if (!from.empty()) to.insert(to.end(), from.begin() + static_cast<std::ptrdiff_t>(skip), from.end());
-    };
-    const bool first = keys_[layer].empty();
+    const std::size_t skipped = std::min(keys.size() / row, static_cast<std::size_t>(options_.skip_first_tokens));
+    const std::size_t skip = skipped * row;
+    auto after_skip = [&](std::span<const float> from) { return from.empty() ? from : from.subspan(skip); };
+    const bool first = sequence_tokens_[layer].empty();
     KVPACK_CHECK(first || (key_weights_[layer].empty() == key_weights.empty() &&
-                           value_weights_[layer].empty() == value_weights.empty()),
+                           value_weighted_[layer] == !value_weights.empty()),
                  kInvalidArgument, "KVQuantCalibrator::add: give weights with every sample of a layer or with none");
-    append(keys_[layer], keys);
-    append(values_[layer], values);
-    append(key_weights_[layer], key_weights);
-    append(value_weights_[layer], value_weights);
+    if (first) value_weighted_[layer] = !value_weights.empty();
+    if (skip == keys.size()) return;
+    keys_[layer].insert(keys_[layer].end(), keys.begin() + static_cast<std::ptrdiff_t>(skip), keys.end());
+    std::span<const float> kw = after_skip(key_weights);
+    key_weights_[layer].insert(key_weights_[layer].end(), kw.begin(), kw.end());
+    sequence_tokens_[layer].push_back(keys.size() / row - skipped);
+    add_value_samples(layer, after_skip(values), after_skip(value_weights));
   }
 
   /// The tables; every layer must have samples left after the skipped sink tokens.
@@ -115,7 +140,6 @@ class KVQuantCalibrator {
                    ::kvpack::detail::message("KVQuantCalibrator::finish: layer ", layer, " has no samples (after the first ",
                                    options_.skip_first_tokens, " tokens of each sequence)"));
       const std::size_t tokens = keys.size() / per_layer;
-      std::vector<float> key_samples, key_sample_weights;
       std::vector<float> channel(tokens);
       for (std::size_t hc = 0; hc < per_layer; ++hc) {
         for (std::size_t t = 0; t < tokens; ++t) channel[t] = keys[t * per_layer + hc];
@@ -125,15 +149,11 @@ class KVQuantCalibrator {
         const float half_range = std::max(0.5f * (hi - lo), 1e-6f * std::max(1.0f, std::fabs(offset)));
         tables->key_offset[layer * per_layer + hc] = offset;
         tables->key_half_range[layer * per_layer + hc] = half_range;
-        for (std::size_t t = 0; t < tokens; ++t) {
-          const float x = (keys[t * per_layer + hc] - offset) / half_range;
-          if (std::fabs(x) > 1.0f) continue;  // stored exactly, no level needed
-          key_samples.push_back(x);
-          if (!key_weights_[layer].empty()) key_sample_weights.push_back(key_weights_[layer][t * per_layer + hc]);
-        }
       }
-      std::vector<float> value_samples, value_sample_weights;
-      normalised_values(layer, value_samples, value_sample_weights);
+      std::vector<float> key_samples, key_sample_weights;
+      normalised_keys(layer, *tables, key_samples, key_sample_weights);
+      const std::vector<float>& value_samples = value_samples_[layer];
+      const std::vector<float>& value_sample_weights = value_sample_weights_[layer];
       tables->key_codebook.push_back(codebook(key_samples, key_sample_weights));
       tables->value_codebook.push_back(codebook(value_samples, value_sample_weights));
       if (q_norm()) {
@@ -183,23 +203,101 @@ class KVQuantCalibrator {
     return static_cast<float>(low + (at - static_cast<double>(below)) * (high - low));
   }
 
-  /// Every value normalised by its token's range without its candidate outliers (the
-  /// ⌈f/2·d⌉ largest and smallest, as the value codec removes them), candidates left out.
-  void normalised_values(index_t layer, std::vector<float>& samples, std::vector<float>& weights) const {
+  /// The k-means weight of a normalised element of half-range r with given weight F (1 when the
+  /// layer has none): F·r², or F without range weighting; capped to stay finite.
+  [[nodiscard]] float sample_weight(const float* given, double half_range) const noexcept {
+    const double range_weight = options_.range_weighted ? half_range * half_range : 1.0;
+    const double w = (given ? static_cast<double>(*given) : 1.0) * range_weight;
+    return static_cast<float>(std::min(w, static_cast<double>(std::numeric_limits<float>::max())));
+  }
+  [[nodiscard]] bool weighs_samples(bool given) const noexcept { return given || options_.range_weighted; }
+
+  /// The keys normalised by their channel's calibrated range, page by page as the key codec does:
+  /// a page keeps its C elements furthest outside their range exactly (left out here) and clamps
+  /// the other ones outside to ±1. A last partial page counts as a page of its own length.
+  void normalised_keys(index_t layer, const KVQuantTables& tables, std::vector<float>& samples,
+                       std::vector<float>& weights) const {
+    const std::vector<float>& keys = keys_[layer];
+    const std::vector<float>& given = key_weights_[layer];
     const index_t d = shape_.head_dim;
+    const std::size_t row = static_cast<std::size_t>(shape_.kv_heads) * d;
+    const float* offset = tables.key_offset.data() + layer * row;
+    const float* half_range = tables.key_half_range.data() + layer * row;
+    std::size_t sequence_start = 0;
+    for (std::size_t sequence : sequence_tokens_[layer]) {
+      for (std::size_t first = 0; first < sequence; first += static_cast<std::size_t>(options_.page_size)) {
+        const std::size_t page = std::min(static_cast<std::size_t>(options_.page_size), sequence - first);
+        for (std::size_t h = 0; h < static_cast<std::size_t>(shape_.kv_heads); ++h) {
+          const std::size_t at = (sequence_start + first) * row + h * d;  // element (0, 0) of the page
+          auto normalised = [&](std::size_t t, index_t c) {
+            return (keys[at + t * row + c] - offset[h * d + c]) / half_range[h * d + c];
+          };
+          kvquant_detail::FurthestCandidates kept(
+              kvquant_detail::outlier_capacity(options_.outlier_fraction, {static_cast<index_t>(page), d}));
+          for (std::size_t t = 0; t < page; ++t) {
+            for (index_t c = 0; c < d; ++c) {
+              const float excess = std::fabs(normalised(t, c)) - 1.0f;
+              if (excess > 0.0f) kept.offer({static_cast<std::uint32_t>(t * d + c), excess});
+            }
+          }
+          const std::span<const kvquant_detail::Candidate> exact = kept.sorted();
+          std::size_t next = 0;
+          for (std::size_t t = 0; t < page; ++t) {
+            for (index_t c = 0; c < d; ++c) {
+              if (next < exact.size() && exact[next].index == t * d + c) {
+                ++next;
+                continue;
+              }
+              samples.push_back(std::clamp(normalised(t, c), -1.0f, 1.0f));
+              if (weighs_samples(!given.empty())) {
+                weights.push_back(sample_weight(given.empty() ? nullptr : &given[at + t * row + c], half_range[h * d + c]));
+              }
+            }
+          }
+        }
+      }
+      sequence_start += sequence;
+    }
+  }
+
+  /// One sequence's values normalised page by page as the value codec does: each token by the
+  /// range of its elements that its page does not keep exactly (those are left out). A last
+  /// partial page counts as a page of its own length.
+  void add_value_samples(index_t layer, std::span<const float> values, std::span<const float> given) {
+    std::vector<float>& samples = value_samples_[layer];
+    std::vector<float>& weights = value_sample_weights_[layer];
+    const index_t d = shape_.head_dim;
+    const std::size_t row = static_cast<std::size_t>(shape_.kv_heads) * d;
+    const std::size_t tokens = values.size() / row;
     const index_t side = kvquant_detail::candidates_per_side(options_.outlier_fraction, d);
-    const std::vector<float>& values = values_[layer];
-    std::vector<index_t> order(static_cast<std::size_t>(d));
-    for (std::size_t v = 0; v + d <= values.size(); v += d) {
-      const float* x = values.data() + v;
-      for (index_t c = 0; c < d; ++c) order[c] = c;
-      std::sort(order.begin(), order.end(), [&](index_t a, index_t b) { return x[a] != x[b] ? x[a] < x[b] : a < b; });
-      const float lo = x[order[side]], hi = x[order[d - 1 - side]];
-      const float offset = 0.5f * (hi + lo), half_range = 0.5f * (hi - lo);
-      if (half_range <= 0.0f) continue;
-      for (index_t i = side; i < d - side; ++i) {
-        samples.push_back((x[order[i]] - offset) / half_range);
-        if (!value_weights_[layer].empty()) weights.push_back(value_weights_[layer][v + order[i]]);
+    for (std::size_t first = 0; first < tokens; first += static_cast<std::size_t>(options_.page_size)) {
+      const std::size_t page = std::min(static_cast<std::size_t>(options_.page_size), tokens - first);
+      for (std::size_t h = 0; h < static_cast<std::size_t>(shape_.kv_heads); ++h) {
+        const std::size_t at = first * row + h * d;  // element (0, 0) of the page
+        kvquant_detail::FurthestCandidates kept(
+            kvquant_detail::outlier_capacity(options_.outlier_fraction, {static_cast<index_t>(page), d}));
+        kvquant_detail::offer_value_candidates(values.data() + at, static_cast<std::ptrdiff_t>(row),
+                                               static_cast<index_t>(page), d, side, kept);
+        const std::span<const kvquant_detail::Candidate> exact = kept.sorted();
+        std::size_t next = 0;
+        for (std::size_t t = 0; t < page; ++t) {
+          const float* x = values.data() + at + t * row;
+          std::size_t e = next;  // row t's first exact entry, for the second pass
+          const auto [lo, hi] = kvquant_detail::range_without_exact(x, static_cast<index_t>(t), d, exact, next);
+          // fp16, as the page stores them: the samples are the codec's normalised elements.
+          const float offset = half(0.5f * (hi + lo)), half_range = half(0.5f * (hi - lo));
+          for (index_t c = 0; c < d; ++c) {
+            if (e < exact.size() && exact[e].index == t * d + c) {
+              ++e;
+              continue;
+            }
+            if (!(half_range > 0.0f)) continue;  // a constant token: every level decodes it exactly
+            samples.push_back(std::clamp((x[c] - offset) / half_range, -1.0f, 1.0f));
+            if (weighs_samples(!given.empty())) {
+              weights.push_back(sample_weight(given.empty() ? nullptr : &given[at + t * row + c], half_range));
+            }
+          }
+        }
       }
     }
   }
@@ -222,7 +320,10 @@ class KVQuantCalibrator {
 
   ModelShape shape_;
   Options options_;
-  std::vector<std::vector<float>> keys_, values_, key_weights_, value_weights_;  ///< [layers][T·kv_heads·d]
+  std::vector<std::vector<float>> keys_, key_weights_;                    ///< [layers][T·kv_heads·d], T over sequences
+  std::vector<std::vector<std::size_t>> sequence_tokens_;                 ///< [layers][sequence]: T of each
+  std::vector<std::vector<float>> value_samples_, value_sample_weights_;  ///< [layers][...]: normalised at add()
+  std::vector<bool> value_weighted_;                                      ///< [layers]: add() had value weights
 };
 
 }  // namespace kvpack::inline v0::quant

@@ -308,6 +308,107 @@ TEST_CASE("KVQuant tables built by hand are checked before any codec indexes the
   CHECK_NOTHROW(Values::validate_geometry({16, 4096}, 0.01));
 }
 
+namespace {
+
+/// The calibration samples a test computes itself: normalised elements and their k-means weights.
+struct Samples {
+  std::vector<float> x, weight;
+  void add(float value, double half_range, bool range_weighted) {
+    x.push_back(value);
+    weight.push_back(range_weighted ? static_cast<float>(half_range * half_range) : 1.0f);
+  }
+};
+
+/// Keys as the key codec normalises a page of `tokens` rows (stride `row`) with the tables'
+/// ranges: the round(f·tokens·d) elements furthest outside their range (ties: lower index) are
+/// exact and left out, the others clamped to [−1, 1]. Written with a sort, not the codec's heap.
+void page_key_samples(const float* page, std::size_t row, std::size_t tokens, index_t d, const float* offset,
+                      const float* half_range, double fraction, bool range_weighted, Samples& out) {
+  std::vector<std::pair<float, std::size_t>> outside;  // (excess, index)
+  auto normalised = [&](std::size_t i) { return (page[(i / d) * row + i % d] - offset[i % d]) / half_range[i % d]; };
+  for (std::size_t i = 0; i < tokens * d; ++i) {
+    if (std::fabs(normalised(i)) - 1.0f > 0.0f) outside.push_back({std::fabs(normalised(i)) - 1.0f, i});
+  }
+  std::sort(outside.begin(), outside.end(), [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+  outside.resize(std::min<std::size_t>(outside.size(), std::llround(fraction * tokens * d)));
+  std::vector<bool> exact(tokens * d, false);
+  for (const auto& o : outside) exact[o.second] = true;
+  for (std::size_t i = 0; i < tokens * d; ++i) {
+    if (!exact[i]) out.add(std::clamp(normalised(i), -1.0f, 1.0f), half_range[i % d], range_weighted);
+  }
+}
+
+/// Values as the value codec stores a page: encoded by the codec, then each element normalised by
+/// the fp16 offset and half-range the plane holds, the elements in its outlier section left out.
+void page_value_samples(const quant::KVQuantValueCodec<3>& codec, const float* page, std::size_t row, std::size_t tokens,
+                        index_t d, bool range_weighted, Samples& out) {
+  using quant::kvquant_detail::get_u16;
+  const quant::PageGeometry g{static_cast<index_t>(tokens), d};
+  std::vector<std::byte> plane(codec.plane_bytes(g));
+  codec.encode(g, page, static_cast<std::ptrdiff_t>(row), codec.initial_params(0, 0), plane.data());
+  const std::byte* section = plane.data() + codec.outliers_offset(g);
+  std::vector<bool> exact(tokens * d, false);
+  for (std::size_t i = 0; i < get_u16(section); ++i) exact[get_u16(section + 2 + 2 * i)] = true;
+  for (std::size_t t = 0; t < tokens; ++t) {
+    const float offset = half::from_bits(get_u16(plane.data() + codec.offsets_offset(g) + 2 * t));
+    const float half_range = half::from_bits(get_u16(plane.data() + codec.ranges_offset(g) + 2 * t));
+    for (index_t c = 0; c < d; ++c) {
+      if (exact[t * d + c] || !(half_range > 0.0f)) continue;
+      out.add(std::clamp((page[t * row + c] - offset) / half_range, -1.0f, 1.0f), half_range, range_weighted);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("calibrated codebooks fit the elements as pages store them, weighted by range squared", "[quant][kvquant]") {
+  const index_t d = 64, heads = 2, P = 32;
+  const std::size_t row = static_cast<std::size_t>(heads) * d;
+  const ModelShape shape{1, 2, heads, d};
+  // Two sequences whose lengths after the sink are not multiples of the page; token scales 1 to
+  // 10 so that the range weights matter, heavy channels so that pages run out of outlier room.
+  std::vector<std::vector<float>> keys, values;
+  for (auto [tokens, seed] : {std::pair<std::size_t, std::uint32_t>{78, 3}, {51, 4}}) {
+    keys.push_back(test::random_rows(tokens, static_cast<int>(row), seed, 6, 6.0f));
+    values.push_back(test::random_rows(tokens, static_cast<int>(row), seed + 10));
+    for (std::size_t t = 0; t < tokens; ++t) {
+      for (std::size_t i = 0; i < row; ++i) values.back()[t * row + i] *= 1.0f + static_cast<float>(t % 10);
+    }
+  }
+  std::vector<quant::nuq::Codebook> fitted[2];
+  for (bool range_weighted : {true, false}) {
+    quant::KVQuantCalibrator::Options options{3, 0.01, true, 50, 1};
+    options.page_size = P;
+    options.range_weighted = range_weighted;
+    quant::KVQuantCalibrator calibrator(shape, options);
+    for (std::size_t s = 0; s < keys.size(); ++s) calibrator.add(0, keys[s], values[s]);
+    const auto tables = calibrator.finish();
+    const quant::KVQuant<3> codec(tables, 0.01);
+    Samples key_samples, value_samples;
+    for (std::size_t s = 0; s < keys.size(); ++s) {
+      const std::size_t tokens = keys[s].size() / row - 1;  // after the sink
+      for (std::size_t first = 0; first < tokens; first += P) {
+        const std::size_t n = std::min<std::size_t>(P, tokens - first);
+        for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
+          const std::size_t at = (1 + first) * row + h * d;
+          page_key_samples(keys[s].data() + at, row, n, d, tables->key_offset.data() + h * d,
+                           tables->key_half_range.data() + h * d, 0.01, range_weighted, key_samples);
+          page_value_samples(codec.value, values[s].data() + at, row, n, d, range_weighted, value_samples);
+        }
+      }
+    }
+    const auto key_book = quant::nuq::kmeans_codebook(3, key_samples.x, key_samples.weight, 50);
+    const auto value_book = quant::nuq::kmeans_codebook(3, value_samples.x, value_samples.weight, 50);
+    for (int i = 0; i < 8; ++i) {
+      CHECK(tables->key_codebook[0].levels[i] == Approx(key_book.levels[i]).margin(1e-6));
+      CHECK(tables->value_codebook[0].levels[i] == Approx(value_book.levels[i]).margin(1e-6));
+    }
+    fitted[range_weighted ? 0 : 1] = {tables->key_codebook[0], tables->value_codebook[0]};
+  }
+  // The range weights change the levels on this data (tokens of ten different scales).
+  CHECK_FALSE(fitted[0][1] == fitted[1][1]);
+}
+
 TEST_CASE("KVQuantCalibrator rejects options it cannot honour", "[quant][kvquant][errors]") {
   using Options = quant::KVQuantCalibrator::Options;
   CHECK_THROWS_AS(quant::KVQuantCalibrator(ModelShape{1, 1, 1, 4}, Options{}), Error);  // head_dim not 8k
@@ -317,6 +418,11 @@ TEST_CASE("KVQuantCalibrator rejects options it cannot honour", "[quant][kvquant
   Options no_rounds;
   no_rounds.max_iterations = 0;
   CHECK_THROWS_AS(quant::KVQuantCalibrator(ModelShape{1, 1, 1, 32}, no_rounds), Error);
+  for (index_t page_size : {0, 12, 20, 4096}) {  // not a page the codecs store (4096 · 32 > 65536)
+    Options bad_page;
+    bad_page.page_size = page_size;
+    CHECK_THROWS_AS(quant::KVQuantCalibrator(ModelShape{1, 1, 1, 32}, bad_page), Error);
+  }
 }
 
 TEST_CASE("Q-Norm keeps the mean and spread of the calibration samples at 2 bits", "[quant][kvquant]") {
@@ -325,21 +431,22 @@ TEST_CASE("Q-Norm keeps the mean and spread of the calibration samples at 2 bits
   REQUIRE(tables->key_encode_codebook.size() == 1);
   REQUIRE(tables->value_encode_codebook.size() == 1);
   // The calibration keys again (calibrate's own generator and seed), normalised by the tables'
-  // ranges; outliers left out as the calibrator does.
+  // ranges page by page as the calibrator does (the first token is the skipped sink).
   const auto keys = test::random_rows(512, d, 77, 4, 8.0f);
+  Samples samples;
+  for (std::size_t first = 0; first < 511; first += 32) {
+    page_key_samples(keys.data() + (1 + first) * d, d, std::min<std::size_t>(32, 511 - first), d,
+                     tables->key_offset.data(), tables->key_half_range.data(), 0.01, false, samples);
+  }
   double sum = 0, sum_sq = 0, decoded_sum = 0, decoded_sq = 0, n = 0;
-  for (std::size_t t = 1; t < 512; ++t) {  // the first token is the skipped sink
-    for (index_t c = 0; c < d; ++c) {
-      const float x = (keys[t * d + c] - tables->key_offset[c]) / tables->key_half_range[c];
-      if (std::fabs(x) > 1.0f) continue;
-      const int code = quant::nuq::nearest_level(tables->key_encode_codebook[0], x);
-      const double decoded = tables->key_codebook[0].levels[code];
-      sum += x;
-      sum_sq += x * x;
-      decoded_sum += decoded;
-      decoded_sq += decoded * decoded;
-      n += 1;
-    }
+  for (float x : samples.x) {
+    const int code = quant::nuq::nearest_level(tables->key_encode_codebook[0], x);
+    const double decoded = tables->key_codebook[0].levels[code];
+    sum += x;
+    sum_sq += double{x} * x;
+    decoded_sum += decoded;
+    decoded_sq += decoded * decoded;
+    n += 1;
   }
   const double mean = sum / n, decoded_mean = decoded_sum / n;
   const double sd = std::sqrt(sum_sq / n - mean * mean), decoded_sd = std::sqrt(decoded_sq / n - decoded_mean * decoded_mean);
