@@ -20,11 +20,13 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <unistd.h>
 #include <vector>
 
 #include "common/cli.hpp"
+#include "common/formats.hpp"
 #include "common/model_presets.hpp"
 #include "common/tier_model.hpp"
 #include "kvpack/kvpack.hpp"
@@ -150,10 +152,29 @@ std::optional<double> measure_stories_prefill(const std::string& model_dir, Mode
   return best / static_cast<double>(prompt.size());
 }
 
-/// q8_0's bytes per token of K and V over every layer: 34 bytes per 32 elements.
-double q8_0_bytes_per_token(const ModelShape& s) {
-  return 2.0 * s.layers * s.kv_heads * s.head_dim * 34.0 / 32.0;
+/// The format a model's K/V pages are planned in: q8_0, or int8 where q8_0 cannot store the
+/// model's head_dim (stories260K's 8), as its cache would refuse.
+examples::FormatRow page_format(const ModelShape& s) {
+  for (const char* name : {"q8_0", "int8"}) {
+    examples::FormatRow row = examples::find_format(name)->describe(s.head_dim);
+    if (row.unsupported.empty()) return row;
+  }
+  throw std::runtime_error(fmt::format("neither q8_0 nor int8 stores head_dim {}", s.head_dim));
 }
+
+/// Bytes per token of K and V over every layer, metadata included.
+double bytes_per_token(const ModelShape& s, const examples::FormatRow& format) {
+  return 2.0 * s.layers * s.kv_heads * s.head_dim * format.bits / 8.0;
+}
+
+/// Removes a directory tree when it goes out of scope, however the scope ends.
+struct RemovedOnExit {
+  std::filesystem::path path;
+  ~RemovedOnExit() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
 
 int run(const Options& o) {
   if (o.help) {
@@ -168,13 +189,10 @@ int run(const Options& o) {
   {
     tier::HostTier host(std::size_t{64} << 20);
     tiers.push_back({"host", tier::measure_tier(host)});
-    const std::filesystem::path directory =
-        std::filesystem::temp_directory_path() / ("kvpack-fetch-planner-" + std::to_string(::getpid()));
-    {
-      tier::DiskTier disk(directory);
-      tiers.push_back({"disk (page cache)", tier::measure_tier(disk)});
-    }
-    std::filesystem::remove_all(directory);
+    const RemovedOnExit directory{std::filesystem::temp_directory_path() /
+                                  ("kvpack-fetch-planner-" + std::to_string(::getpid()))};
+    tier::DiskTier disk(directory.path);
+    tiers.push_back({"disk (page cache)", tier::measure_tier(disk)});
   }
   if (o.redis_port) {
 #ifdef KVPACK_EXAMPLES_HAVE_REDIS
@@ -223,9 +241,10 @@ int run(const Options& o) {
                                 examples::kHopperGflops / 1e3)});
 
   for (const Model& m : models) {
-    const double per_token = q8_0_bytes_per_token(m.shape);
-    fmt::print("{}: prefill {:.3g} s/token ({}); q8_0 K/V {:.0f} B/token\n", m.name, m.prefill_s_per_token, m.how,
-               per_token);
+    const examples::FormatRow format = page_format(m.shape);
+    const double per_token = bytes_per_token(m.shape, format);
+    fmt::print("{}: prefill {:.3g} s/token ({}); {} K/V {:.0f} B/token\n", m.name, m.prefill_s_per_token, m.how,
+               format.kvpack_name, per_token);
     fmt::print("  {:<20} {:>16} {:>14} {:>14}  plan at {} tokens\n", "tier", "crossover", "fetch", "recompute",
                o.context);
     for (const MeasuredTier& t : tiers) {

@@ -21,6 +21,7 @@
 #include <exception>
 #include <fstream>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "common/cli.hpp"
@@ -68,11 +69,14 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-/// Resident set size of this process in bytes (/proc/self/statm, second field).
+/// Resident set size of this process in bytes (/proc/self/statm, second field). Throws where it
+/// cannot be read: a growth check over zeros would pass without measuring anything.
 double resident_bytes() {
   std::ifstream statm("/proc/self/statm");
   double total_pages = 0, resident_pages = 0;
-  statm >> total_pages >> resident_pages;
+  if (!(statm >> total_pages >> resident_pages) || !(resident_pages > 0)) {
+    throw std::runtime_error("cannot read the resident set size from /proc/self/statm");
+  }
   return resident_pages * static_cast<double>(sysconf(_SC_PAGESIZE));
 }
 
@@ -82,7 +86,7 @@ int run(const Options& o) {
   config.page_size = 32;
   config.tail_tokens = 32;
   config.exact_prefix_tokens = 2;
-  config.max_pages = 6000;  // about 64 sequences of 1K tokens: the pool runs near its limit
+  config.max_pages = 6000;  // about 24 sequences of 1K tokens (248 pages each): the pool runs near its limit
   KVCache<layout::GQA, quant::Q8_0> cache(shape, config);
 
   std::mt19937 rng(o.seed);
