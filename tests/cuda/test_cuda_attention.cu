@@ -220,6 +220,7 @@ void check_quantizer() {
   check_against_reference<Quantizer>(32, 96, 3, {{12, 5}}, 300);
   check_against_reference<Quantizer>(64, 128, 12, {{6, 1}, {30, 0}}, 400);  // two passes of 8 heads
   check_against_reference<Quantizer>(128, 64, 2, {{5, 100}}, 500);
+  check_against_reference<Quantizer>(32, 128, 4, {{5, 0}, {3, 0}}, 600);  // no tail rows: tail_count is null
 }
 
 }  // namespace
@@ -309,6 +310,14 @@ TEST_CASE("a NaN in one stream's page poisons that stream only", "[cuda]") {
   const std::vector<float> expected = run.reference(1);
   const double bound = test::error_bound(*run.fixtures[1], run.data[1].queries, 2, test::kCudaKernels, nullptr);
   for (std::size_t i = 0; i < expected.size(); ++i) CHECK(std::fabs(run.output(1)[i] - expected[i]) <= bound);
+}
+
+TEST_CASE("pages of an odd number of slots are rejected with a clear error", "[cuda]") {
+  CHECK_THROWS_MATCHES((DeviceRun<quant::Float<kvpack::half>>(17, 128, 4, {{2, 0}}, 901)), Error,
+                       Catch::Matchers::Predicate<Error>([](const Error& e) {
+                         return e.code() == ErrorCode::kUnsupported &&
+                                std::string(e.what()).find("even page_size") != std::string::npos;
+                       }));
 }
 
 TEST_CASE("pages too large for shared memory are rejected with a clear error", "[cuda]") {

@@ -76,7 +76,8 @@ dispatch::Backend check_launch(const PagedArgs<KeyCodec, ValueCodec>& a, index_t
     KVPACK_CHECK(a.value_offset >= key_bytes, kInvalidArgument,
                  ::kvpack::detail::message("attend_paged: value_offset ", a.value_offset, " overlaps the K plane (",
                                            key_bytes, " bytes)"));
-    KVPACK_CHECK(a.value_offset + value_bytes <= a.payload_bytes, kInvalidArgument,
+    KVPACK_CHECK(a.value_offset <= a.payload_bytes && value_bytes <= a.payload_bytes - a.value_offset,  // no wrap
+                 kInvalidArgument,
                  ::kvpack::detail::message("attend_paged: the V plane (", value_bytes, " bytes at ", a.value_offset,
                                            ") runs past the payload (", a.payload_bytes, " bytes)"));
   }
@@ -109,8 +110,9 @@ dispatch::Backend check_launch(const PagedArgs<KeyCodec, ValueCodec>& a, index_t
 template <class Args>
 void check_streams_on_host(const Args& a, index_t max_pages) {
   for (index_t s = 0; s < a.streams; ++s) {
-    const index_t pages = a.first_page[s + 1] - a.first_page[s];
-    const index_t tail = a.tail_stride == 0 ? 0 : a.tail_count[s];
+    // In 64 bits: hostile ranges must not overflow the checks meant to reject them.
+    const std::int64_t pages = std::int64_t{a.first_page[s + 1]} - a.first_page[s];
+    const std::int64_t tail = a.tail_stride == 0 ? 0 : a.tail_count[s];
     KVPACK_CHECK(a.first_page[s] >= 0 && pages >= 0 && pages <= max_pages && tail >= 0 && tail <= a.tail_stride &&
                      pages + tail > 0,
                  kInvalidArgument,

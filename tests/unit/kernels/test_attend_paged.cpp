@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -80,6 +81,9 @@ TEST_CASE("attend_paged rejects bad launches before writing anything", "[kernels
           ErrorCode::kInvalidArgument, "multiple of 16 tokens, as a cache's do; got page_size 40");
   rejects(with([](A& a) { a.value_offset = 64; }), ErrorCode::kInvalidArgument, "overlaps the K plane");
   rejects(with([](A& a) { a.payload_bytes -= 64; }), ErrorCode::kInvalidArgument, "runs past the payload");
+  // value_offset + the V plane's bytes wraps around to a small number: still past the payload.
+  rejects(with([](A& a) { a.value_offset = std::numeric_limits<std::size_t>::max() - 63; }), ErrorCode::kInvalidArgument,
+          "runs past the payload");
   rejects(with([](A& a) { a.payload_bytes += 32; }), ErrorCode::kInvalidArgument, "multiple of 64");
   rejects(with([](A& a) { a.queries = nullptr; }), ErrorCode::kInvalidArgument, "queries is null");
   rejects(with([](A& a) { a.pages = nullptr; }), ErrorCode::kInvalidArgument, "pages is null, but stream 0 has 3");
@@ -88,6 +92,9 @@ TEST_CASE("attend_paged rejects bad launches before writing anything", "[kernels
 
   const std::vector<index_t> decreasing{0, 3, 2};
   rejects(with([&](A& a) { a.first_page = decreasing.data(); }), ErrorCode::kInvalidArgument, "must not decrease");
+  // A difference that overflows 32 bits (undefined before; the sanitizer run checks) is rejected.
+  const std::vector<index_t> wrapping{0, 3, std::numeric_limits<index_t>::min()};
+  rejects(with([&](A& a) { a.first_page = wrapping.data(); }), ErrorCode::kInvalidArgument, "must not decrease");
   const std::vector<index_t> too_many_rows{6, 2};
   rejects(with([&](A& a) { a.tail_count = too_many_rows.data(); }), ErrorCode::kInvalidArgument, "tail_stride 5");
   const std::vector<index_t> no_rows{5, 0};

@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kTailThreads)
   const index_t first_head = blockIdx.y * kHeads;
   const int heads = min(kHeads, a.group - first_head);
   const index_t d = a.head_dim;
-  const index_t rows = a.tail_count[stream];
+  const index_t rows = a.tail_stride == 0 ? 0 : a.tail_count[stream];  // no tail: tail_count may be null
   const float* keys = a.tail_keys + static_cast<std::size_t>(stream) * a.tail_stride * d;
   const float* values = a.tail_values + static_cast<std::size_t>(stream) * a.tail_stride * d;
   const float* queries = a.queries + (static_cast<std::size_t>(stream) * a.group + first_head) * d;

@@ -148,7 +148,8 @@ __global__ void __launch_bounds__(kThreads)
   const index_t per_split = (count + gridDim.x - 1) / gridDim.x;
   const index_t page_begin = min(count, split * per_split);
   const index_t page_end = min(count, page_begin + per_split);
-  const index_t tail_rows = split == gridDim.x - 1 ? a.tail_count[stream] : 0;
+  // Without tail rows (tail_stride 0) the tail arrays may be null, as attend_paged allows.
+  const index_t tail_rows = split == gridDim.x - 1 && a.tail_stride > 0 ? a.tail_count[stream] : 0;
   const index_t page_steps = (page_end - page_begin + plan.step_pages - 1) / plan.step_pages;
   const index_t steps = page_steps + (tail_rows + T - 1) / T;
 
@@ -596,6 +597,10 @@ void attend_paged(const PagedAttentionArgs<device_params_t<KeyCodec>, device_par
   KVPACK_CHECK(a.head_dim <= kMaxHeadDim && a.head_dim % 2 == 0, kUnsupported,
                ::kvpack::detail::message("CUDA attention supports even head_dim up to ", kMaxHeadDim, ", got ",
                                          a.head_dim));
+  // The generic kernel scores slots in pairs that must not straddle a page (and fp16 pairs load
+  // as __half2): pages of an even number of slots, as every cache's (multiples of 16) are.
+  KVPACK_CHECK(a.page_size % 2 == 0, kUnsupported,
+               ::kvpack::detail::message("CUDA attention needs an even page_size, got ", a.page_size));
   const index_t partials = [&] {
     if constexpr (MmaReadable<KeyCodec, ValueCodec>) {
       if (attends_on_tensor_cores<KeyCodec, ValueCodec>(a, kernel)) {
