@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,7 +74,7 @@ inline constexpr std::size_t kHeaderBytes = 7 * sizeof(std::int32_t);
 
 /// Rejects headers no llama model has, before their sizes are multiplied together.
 inline void validate_header(const std::filesystem::path& path, const Config& c) {
-  constexpr int kLimit = 1 << 20;  // far beyond any llama2.c model; keeps the size arithmetic exact
+  constexpr int kLimit = 1 << 20;  // far beyond any llama2.c model; keeps the count of floats in 64 bits
   auto positive = [&](const char* field, int value) {
     if (value <= 0 || value > kLimit) {
       fail_file(path, fmt::format("header field {} = {} is not in [1, {}] (not a llama2.c checkpoint?)", field, value,
@@ -97,13 +99,15 @@ inline void validate_header(const std::filesystem::path& path, const Config& c) 
   }
 }
 
-/// Exact file size the header implies.
-inline std::uint64_t expected_bytes(const Config& c, bool tied_classifier) {
+/// Exact file size the header implies; nullopt when that exceeds 64 bits. With every field at
+/// most 2^20 (and kv_dim ≤ dim) the count of floats stays below 2^64, but not always its bytes.
+inline std::optional<std::uint64_t> expected_bytes(const Config& c, bool tied_classifier) {
   const std::uint64_t dim = c.dim, hidden = c.hidden_dim, layers = c.layers, kv_dim = c.kv_dim();
   const std::uint64_t vocab = c.vocab_size, rope_tables = static_cast<std::uint64_t>(c.seq_len) * c.head_dim();
   const std::uint64_t per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim;
   const std::uint64_t floats =
       vocab * dim + layers * per_layer + dim + rope_tables + (tied_classifier ? 0 : vocab * dim);
+  if (floats > (std::numeric_limits<std::uint64_t>::max() - kHeaderBytes) / sizeof(float)) return std::nullopt;
   return kHeaderBytes + floats * sizeof(float);
 }
 
@@ -131,11 +135,15 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
   c.vocab_size = signed_vocab == INT32_MIN ? 0 : std::abs(signed_vocab);
   detail::validate_header(path, c);
 
-  const std::uint64_t expected = detail::expected_bytes(c, tied_classifier);
-  if (in.size() != expected) {
+  const std::optional<std::uint64_t> expected = detail::expected_bytes(c, tied_classifier);
+  if (!expected) {
+    fail_file(path, fmt::format("a checkpoint with {} would be more than 2^64 bytes (not a llama2.c checkpoint?)",
+                                describe(c)));
+  }
+  if (in.size() != *expected) {
     fail_file(path, fmt::format("file is {} bytes, but a checkpoint with {} ({} classifier) is exactly {} bytes "
                                 "(truncated, padded, or not a legacy llama2.c export)",
-                                in.size(), describe(c), tied_classifier ? "tied" : "untied", expected));
+                                in.size(), describe(c), tied_classifier ? "tied" : "untied", *expected));
   }
 
   const auto dim = static_cast<std::size_t>(c.dim), hidden = static_cast<std::size_t>(c.hidden_dim);

@@ -102,6 +102,10 @@ Options parse(int argc, char** argv) {
   }
   if (!options.json_path.empty() && !options.report) throw UsageError{"--json needs --report"};
   if (!options.dump_path.empty() && options.report) throw UsageError{"--dump-kv writes a generation's K/V; drop --report"};
+  // BOS alone is never read back (the last token of a generation is not fed), so nothing would be dumped.
+  if (!options.dump_path.empty() && options.steps == 0 && options.prompt.empty()) {
+    throw UsageError{"--dump-kv needs a token read back: give --steps N > 0 or a --prompt"};
+  }
   return options;
 }
 

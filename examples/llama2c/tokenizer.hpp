@@ -8,6 +8,7 @@
 
 #include <fmt/core.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -42,6 +43,8 @@ class Tokenizer {
         fail_file(path,
                   fmt::format("token {} has length {}, outside [0, max_token_length {}]", id, length, max_length));
       }
+      // A NaN score never compares greater, so merges would depend on the order pairs are met.
+      if (!std::isfinite(score)) fail_file(path, fmt::format("token {} has a merge score that is not finite", id));
       tokenizer.scores_.push_back(score);
       tokenizer.pieces_.push_back(in.read_string(static_cast<std::size_t>(length), "a token's bytes"));
       tokenizer.ids_.emplace(tokenizer.pieces_.back(), id);  // a duplicate piece keeps its first id
@@ -52,6 +55,14 @@ class Tokenizer {
     }
     if (vocab_size < kFirstByteToken + 256) {
       fail_file(path, fmt::format("vocabulary of {} tokens lacks the 256 byte pieces", vocab_size));
+    }
+    // Byte fallback encodes byte b as token b + kFirstByteToken and decodes it back as that byte.
+    for (int b = 0; b < 256; ++b) {
+      const std::string expected = fmt::format("<0x{:02X}>", b);
+      if (tokenizer.pieces_[static_cast<std::size_t>(kFirstByteToken + b)] != expected) {
+        fail_file(path, fmt::format("token {} is '{}', not the byte piece {} byte fallback needs", kFirstByteToken + b,
+                                    tokenizer.pieces_[static_cast<std::size_t>(kFirstByteToken + b)], expected));
+      }
     }
     if (!tokenizer.ids_.contains(" ")) fail_file(path, "no ' ' piece, which encoding prepends to text");
     return tokenizer;

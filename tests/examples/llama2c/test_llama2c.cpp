@@ -82,7 +82,8 @@ Bytes tiny_checkpoint(const std::int32_t (&header)[7] = kTinyHeader, int floats 
 
 /// A tokenizer file: unk, BOS, EOS, the 256 byte pieces, then " ", "h", "i", "hi", " hi" with
 /// merge scores 0, 0, 0, 1, 2.
-Bytes tiny_tokenizer() {
+/// `hi_score` and `byte_piece` ("<0x%02X>" in llama2.c's files) vary it for the error tests.
+Bytes tiny_tokenizer(float hi_score = 1, const char* byte_piece = "<0x%02X>") {
   Bytes bytes;
   bytes.add(std::int32_t{6});
   auto token = [&](const std::string& piece, float score) {
@@ -93,13 +94,13 @@ Bytes tiny_tokenizer() {
   token("\n</s>\n", 0);
   for (int b = 0; b < 256; ++b) {
     char piece[8];
-    std::snprintf(piece, sizeof(piece), "<0x%02X>", b);
+    std::snprintf(piece, sizeof(piece), byte_piece, b);
     token(piece, 0);
   }
   token(" ", 0);
   token("h", 0);
   token("i", 0);
-  token("hi", 1);
+  token("hi", hi_score);
   token(" hi", 2);
   return bytes;
 }
@@ -190,6 +191,11 @@ TEST_CASE("checkpoint: a bad header, a NaN weight or a missing file is rejected 
   const TempFile corrupt("llama2c_nan", with_nan.data);
   CHECK_THROWS_WITH(load_checkpoint(corrupt.path()), Contains("layer 0 wq[2] is not finite"));
 
+  // Every field at the 2^20 limit: a file of more than 2^64 bytes (its size used to wrap).
+  const std::int32_t huge[7] = {1 << 20, 1 << 20, 1 << 20, 1, 1, 1 << 20, 1 << 20};
+  const TempFile wrapping("llama2c_huge", tiny_checkpoint(huge).data);
+  CHECK_THROWS_WITH(load_checkpoint(wrapping.path()), Contains("would be more than 2^64 bytes"));
+
   CHECK_THROWS_WITH(load_checkpoint("/nonexistent/llama2c.bin"),
                     Contains("/nonexistent/llama2c.bin: cannot be opened"));
 }
@@ -226,6 +232,12 @@ TEST_CASE("tokenizer: BOS, dummy prefix, byte fallback and highest-score merges"
   const TempFile truncated("llama2c_tok_short", cut);
   CHECK_THROWS_WITH(Tokenizer::load(truncated.path(), kTinyTokenizerVocab), Contains("file ends at byte"));
   CHECK_THROWS_WITH(Tokenizer::load(file.path(), kTinyTokenizerVocab - 1), Contains("bytes follow the last of"));
+  const TempFile nan_score("llama2c_tok_nan", tiny_tokenizer(std::nanf("")).data);
+  CHECK_THROWS_WITH(Tokenizer::load(nan_score.path(), kTinyTokenizerVocab),
+                    Contains("token 262 has a merge score that is not finite"));
+  const TempFile lower_case("llama2c_tok_bytes", tiny_tokenizer(1, "<0x%02x>").data);
+  CHECK_THROWS_WITH(Tokenizer::load(lower_case.path(), kTinyTokenizerVocab),
+                    Contains("token 13 is '<0x0a>', not the byte piece <0x0A>"));
 }
 
 // ---- the stories260K model ----
