@@ -24,7 +24,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -480,7 +479,9 @@ struct DeviceLimits {
   int multiprocessors = 0;
   int shared_per_block = 0;
 };
-inline const DeviceLimits& device_limits() {
+/// By value: another thread's first call on a higher device may grow the table (a reference
+/// into it could dangle once the lock is released).
+inline DeviceLimits device_limits() {
   static std::mutex mutex;
   static std::vector<DeviceLimits> per_device;
   int device = 0;
@@ -549,12 +550,11 @@ index_t launch_generic_attention(const Args& a, index_t max_pages, AttentionWork
   auto launch = [&](auto heads) {
     constexpr int G = decltype(heads)::value;
     auto* kernel = &split_kernel<ElementDecoder<KeyCodec>, ElementDecoder<ValueCodec>, G, KP, VP>;
-    // Raise the kernel's shared-memory limit only when a launch needs more than granted so far.
-    static std::atomic<std::size_t> granted{48u << 10};
-    if (plan.shared_bytes > granted.load(std::memory_order_relaxed)) {
+    // Raise the kernel's shared-memory limit when a launch needs more than the default 48 KiB, at
+    // every such launch: the attribute is per device, and a process may launch on several.
+    if (plan.shared_bytes > (48u << 10)) {
       check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_limits().shared_per_block),
             "cudaFuncSetAttribute");
-      granted.store(static_cast<std::size_t>(device_limits().shared_per_block), std::memory_order_relaxed);
     }
     const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(a.streams), static_cast<unsigned>(plan.passes));
     kernel<<<grid, kThreads, plan.shared_bytes, stream>>>(a, plan, workspace.max(), workspace.sum(), workspace.acc());
@@ -593,7 +593,17 @@ void attend_paged(const PagedAttentionArgs<device_params_t<KeyCodec>, device_par
   using namespace attention_detail;
   KVPACK_CHECK(a.streams > 0 && a.group > 0 && a.head_dim > 0 && a.page_size > 0, kInvalidArgument,
                "CUDA attention: streams, group, head_dim and page_size must be positive");
-  KVPACK_CHECK(a.payload_bytes % 64 == 0, kInvalidArgument, "CUDA attention: payload_bytes must be a multiple of 64");
+  // Codecs with device parameters (KVQuant, TurboQuant) skip check_launch's plane checks, so these
+  // are the only ones between a bad size and a division by zero or a misaligned __half2 load.
+  KVPACK_CHECK(a.payload_bytes > 0 && a.payload_bytes % 64 == 0 && a.value_offset < a.payload_bytes &&
+                   a.value_offset % 16 == 0,
+               kInvalidArgument,
+               ::kvpack::detail::message("CUDA attention: payload_bytes (", a.payload_bytes,
+                                         ") must be a positive multiple of 64 and value_offset (", a.value_offset,
+                                         ") a multiple of 16 inside it"));
+  // Streams index gridDim.y, at most 65535.
+  KVPACK_CHECK(a.streams <= 65535, kUnsupported,
+               ::kvpack::detail::message("CUDA attention launches at most 65535 streams at once, got ", a.streams));
   KVPACK_CHECK(a.head_dim <= kMaxHeadDim && a.head_dim % 2 == 0, kUnsupported,
                ::kvpack::detail::message("CUDA attention supports even head_dim up to ", kMaxHeadDim, ", got ",
                                          a.head_dim));
