@@ -1232,6 +1232,16 @@ TEST_CASE("a cache created on the device rejects what it cannot do, and says why
   cache.release(seq);
   expect_error([&] { cache.release(seq); }, ErrorCode::kUnknownSequence, "no sequence");
   expect_error([&] { static_cast<void>(cache.read_back(seq, 0, 0)); }, ErrorCode::kUnknownSequence, "no sequence");
+  // Static per-head FP8 scales made for another model (8 KV heads, 2 layers): the host cache
+  // refuses them, and so does the device one (it handed heads the wrong rows before 2026-12-08).
+  quant::FP8Options other_model;
+  other_model.calibrate = false;
+  other_model.granularity = quant::ScaleGranularity::kPerHead;
+  other_model.kv_heads = 8;
+  other_model.static_head_scales.assign(16, 1.0f);
+  using FP8 = quant::FP8<quant::E4M3FN>;
+  expect_error([&] { static_cast<void>(gpu::DeviceKVCache<FP8>(shape, config, 8, FP8(other_model))); },
+               ErrorCode::kInvalidConfig, "static_head_scales hold 16 scales in rows of 8");
   // Options the device does not implement yet.
   CacheConfig rope = config;
   rope.key_rope = RopeSpec{};

@@ -97,6 +97,14 @@ class DeviceKVCache {
     const quant::PageGeometry g{config_.page_size, shape_.head_dim};
     quantizer_.key.validate(g);
     quantizer_.value.validate(g);
+    // As KVCache: tables made for one model (FP8's static per-head scales, KVQuant's calibration)
+    // are indexed by its layers and KV heads; another model's would hand heads the wrong rows.
+    if constexpr (requires { quantizer_.key.check_model(shape_.layers, shape_.kv_heads); }) {
+      quantizer_.key.check_model(shape_.layers, shape_.kv_heads);
+    }
+    if constexpr (requires { quantizer_.value.check_model(shape_.layers, shape_.kv_heads); }) {
+      quantizer_.value.check_model(shape_.layers, shape_.kv_heads);
+    }
     KVPACK_CHECK(!config_.key_rope, kUnsupported,
                  "DeviceKVCache: keys stored before RoPE are not supported on the device yet");
     // The exact prefix is fp32 rows per sequence, not pages: a hit could not supply them.

@@ -53,8 +53,9 @@ class DeviceLayer {
                      window.tail_tokens <= CacheConfig::kMaxTailTokens,
                  kInvalidArgument,
                  "DeviceLayer: exact_prefix_tokens must be in [0, 4096] and tail_tokens in [0, kMaxTailTokens]");
-    KVPACK_CHECK(value_offset < pool.format().payload_bytes, kInvalidArgument,
-                 "DeviceLayer: value_offset lies outside the page payload");
+    // 16-byte aligned: the kernels load the V plane in vectors (attend_paged checks it too).
+    KVPACK_CHECK(value_offset < pool.format().payload_bytes && value_offset % 16 == 0, kInvalidArgument,
+                 "DeviceLayer: value_offset lies outside the page payload or is not a multiple of 16");
     // The most rows a stream holds between appends (row_append_plan.hpp).
     row_capacity_ = std::max<index_t>(1, window.exact_prefix_tokens + window.tail_tokens + page_size - 1);
   }
