@@ -250,7 +250,8 @@ class KVQuantCalibrator {
               }
               samples.push_back(std::clamp(normalised(t, c), -1.0f, 1.0f));
               if (weighs_samples(!given.empty())) {
-                weights.push_back(sample_weight(given.empty() ? nullptr : &given[at + t * row + c], half_range[h * d + c]));
+                const float* weight = given.empty() ? nullptr : &given[at + t * row + c];
+                weights.push_back(sample_weight(weight, half_range[h * d + c]));
               }
             }
           }
@@ -320,7 +321,7 @@ class KVQuantCalibrator {
 
   ModelShape shape_;
   Options options_;
-  std::vector<std::vector<float>> keys_, key_weights_;                    ///< [layers][T·kv_heads·d], T over sequences
+  std::vector<std::vector<float>> keys_, key_weights_;                    ///< [layers][T·kv_heads·d], all sequences
   std::vector<std::vector<std::size_t>> sequence_tokens_;                 ///< [layers][sequence]: T of each
   std::vector<std::vector<float>> value_samples_, value_sample_weights_;  ///< [layers][...]: normalised at add()
   std::vector<bool> value_weighted_;                                      ///< [layers]: add() had value weights

@@ -82,8 +82,8 @@ TEST_CASE("attend_paged rejects bad launches before writing anything", "[kernels
   rejects(with([](A& a) { a.value_offset = 64; }), ErrorCode::kInvalidArgument, "overlaps the K plane");
   rejects(with([](A& a) { a.payload_bytes -= 64; }), ErrorCode::kInvalidArgument, "runs past the payload");
   // value_offset + the V plane's bytes wraps around to a small number: still past the payload.
-  rejects(with([](A& a) { a.value_offset = std::numeric_limits<std::size_t>::max() - 63; }), ErrorCode::kInvalidArgument,
-          "runs past the payload");
+  rejects(with([](A& a) { a.value_offset = std::numeric_limits<std::size_t>::max() - 63; }),
+          ErrorCode::kInvalidArgument, "runs past the payload");
   rejects(with([](A& a) { a.payload_bytes += 32; }), ErrorCode::kInvalidArgument, "multiple of 64");
   rejects(with([](A& a) { a.queries = nullptr; }), ErrorCode::kInvalidArgument, "queries is null");
   rejects(with([](A& a) { a.pages = nullptr; }), ErrorCode::kInvalidArgument, "pages is null, but stream 0 has 3");

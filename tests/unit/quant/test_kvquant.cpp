@@ -329,7 +329,8 @@ void page_key_samples(const float* page, std::size_t row, std::size_t tokens, in
   for (std::size_t i = 0; i < tokens * d; ++i) {
     if (std::fabs(normalised(i)) - 1.0f > 0.0f) outside.push_back({std::fabs(normalised(i)) - 1.0f, i});
   }
-  std::sort(outside.begin(), outside.end(), [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+  std::sort(outside.begin(), outside.end(),
+            [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
   outside.resize(std::min<std::size_t>(outside.size(), std::llround(fraction * tokens * d)));
   std::vector<bool> exact(tokens * d, false);
   for (const auto& o : outside) exact[o.second] = true;
@@ -340,8 +341,8 @@ void page_key_samples(const float* page, std::size_t row, std::size_t tokens, in
 
 /// Values as the value codec stores a page: encoded by the codec, then each element normalised by
 /// the fp16 offset and half-range the plane holds, the elements in its outlier section left out.
-void page_value_samples(const quant::KVQuantValueCodec<3>& codec, const float* page, std::size_t row, std::size_t tokens,
-                        index_t d, bool range_weighted, Samples& out) {
+void page_value_samples(const quant::KVQuantValueCodec<3>& codec, const float* page, std::size_t row,
+                        std::size_t tokens, index_t d, bool range_weighted, Samples& out) {
   using quant::kvquant_detail::get_u16;
   const quant::PageGeometry g{static_cast<index_t>(tokens), d};
   std::vector<std::byte> plane(codec.plane_bytes(g));
