@@ -208,6 +208,20 @@ struct OutlierSection {
   return fraction > 0.0 ? static_cast<index_t>(std::ceil(fraction / 2.0 * head_dim - 1e-9)) : 0;
 }
 
+/// The key codec's outlier choice for `tokens` rows of `d` elements: every element outside its
+/// channel's calibrated range is offered to `kept`, ranked by how far outside, in half-ranges.
+/// KVQuantCalibrator makes the same choice, so that the key codebook sees what pages clamp.
+inline void offer_key_candidates(const float* src, std::ptrdiff_t row_stride, index_t tokens, index_t d,
+                                 const float* offset, const float* half_range, FurthestCandidates& kept) noexcept {
+  for (index_t t = 0; t < tokens; ++t) {
+    for (index_t c = 0; c < d; ++c) {
+      const float excess = std::fabs(src[t * row_stride + c] - offset[c]) / half_range[c] - 1.0f;
+      // A NaN key (unchecked input) is no candidate: it encodes as a code, as in other codecs.
+      if (excess > 0.0f) kept.offer({static_cast<std::uint32_t>(t * d + c), excess});
+    }
+  }
+}
+
 /// The value codec's outlier choice for `tokens` rows of `d` ≤ 4096 elements: each row's `side`
 /// smallest and `side` largest elements are offered to `kept`, ranked by how far they stretch the
 /// range of the row's other elements, in half-ranges. KVQuantCalibrator makes the same choice, so
@@ -428,13 +442,7 @@ struct KVQuantKeyCodec : KVQuantTraits<Bits> {
     std::fill(dst, dst + plane_bytes(g), std::byte{0});
     const kvquant_detail::OutlierSection section = this->outliers(g);
     kvquant_detail::FurthestCandidates kept(section.capacity);
-    for (index_t t = 0; t < g.page_size; ++t) {
-      for (index_t c = 0; c < g.head_dim; ++c) {
-        const float excess = std::fabs(src[t * row_stride + c] - p.offset[c]) / p.half_range[c] - 1.0f;
-        // A NaN key (unchecked input) is no candidate: it encodes as a code, as in other codecs.
-        if (excess > 0.0f) kept.offer({static_cast<std::uint32_t>(t * g.head_dim + c), excess});
-      }
-    }
+    kvquant_detail::offer_key_candidates(src, row_stride, g.page_size, g.head_dim, p.offset, p.half_range, kept);
     section.write(dst + outliers_offset(g), kept.sorted(), src, row_stride, g.head_dim);
     const nuq::NearestLevel nearest(p.rounding());
     for (index_t c = 0; c < g.head_dim; ++c) {

@@ -234,12 +234,8 @@ class KVQuantCalibrator {
           };
           kvquant_detail::FurthestCandidates kept(
               kvquant_detail::outlier_capacity(options_.outlier_fraction, {static_cast<index_t>(page), d}));
-          for (std::size_t t = 0; t < page; ++t) {
-            for (index_t c = 0; c < d; ++c) {
-              const float excess = std::fabs(normalised(t, c)) - 1.0f;
-              if (excess > 0.0f) kept.offer({static_cast<std::uint32_t>(t * d + c), excess});
-            }
-          }
+          kvquant_detail::offer_key_candidates(keys.data() + at, static_cast<std::ptrdiff_t>(row),
+                                               static_cast<index_t>(page), d, offset + h * d, half_range + h * d, kept);
           const std::span<const kvquant_detail::Candidate> exact = kept.sorted();
           std::size_t next = 0;
           for (std::size_t t = 0; t < page; ++t) {
